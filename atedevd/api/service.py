@@ -1,0 +1,93 @@
+"""gRPC wiring for the two v1beta1 services, from one table of methods.
+
+Servers get a generic handler built from any object with the method names;
+clients get a stub whose attributes are the channel's multi-callables.
+"""
+
+from typing import Dict, NamedTuple
+
+import grpc
+
+from atedevd.api import deviceplugin_pb2 as pb
+
+API_VERSION = "v1beta1"
+
+
+class Method(NamedTuple):
+    request: type
+    response: type
+    server_streaming: bool = False
+
+
+REGISTRATION = "v1beta1.Registration"
+DEVICE_PLUGIN = "v1beta1.DevicePlugin"
+
+METHODS: Dict[str, Dict[str, Method]] = {
+    REGISTRATION: {
+        "Register": Method(pb.RegisterRequest, pb.Empty),
+    },
+    DEVICE_PLUGIN: {
+        "GetDevicePluginOptions": Method(pb.Empty, pb.DevicePluginOptions),
+        "ListAndWatch": Method(pb.Empty, pb.ListAndWatchResponse, server_streaming=True),
+        "GetPreferredAllocation": Method(
+            pb.PreferredAllocationRequest, pb.PreferredAllocationResponse
+        ),
+        "Allocate": Method(pb.AllocateRequest, pb.AllocateResponse),
+        "PreStartContainer": Method(pb.PreStartContainerRequest, pb.PreStartContainerResponse),
+    },
+}
+
+
+def _handler(service: str, servicer: object) -> grpc.GenericRpcHandler:
+    handlers = {}
+    for name, m in METHODS[service].items():
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if m.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[name] = make(
+            getattr(servicer, name),
+            request_deserializer=m.request.FromString,
+            response_serializer=m.response.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(service, handlers)
+
+
+def device_plugin_handler(servicer: object) -> grpc.GenericRpcHandler:
+    """Serve `servicer`'s methods as v1beta1.DevicePlugin."""
+    return _handler(DEVICE_PLUGIN, servicer)
+
+
+def registration_handler(servicer: object) -> grpc.GenericRpcHandler:
+    """Serve `servicer.Register` as v1beta1.Registration (the kubelet side)."""
+    return _handler(REGISTRATION, servicer)
+
+
+class _Stub:
+    _service = ""
+
+    def __init__(self, channel: grpc.Channel):
+        for name, m in METHODS[self._service].items():
+            make = channel.unary_stream if m.server_streaming else channel.unary_unary
+            setattr(
+                self,
+                name,
+                make(
+                    f"/{self._service}/{name}",
+                    request_serializer=m.request.SerializeToString,
+                    response_deserializer=m.response.FromString,
+                ),
+            )
+
+
+class RegistrationStub(_Stub):
+    """Client of kubelet's Registration service."""
+
+    _service = REGISTRATION
+
+
+class DevicePluginStub(_Stub):
+    """Client of a device plugin (what kubelet uses; here, tests and benchmarks)."""
+
+    _service = DEVICE_PLUGIN
