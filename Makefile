@@ -1,0 +1,37 @@
+# atedevd developer entry points. `make demo` and `make test` are the README's two commands.
+PYTHON ?= /usr/bin/python3
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: deps demo test test-latest bench proto proto-check deb rpm clean
+
+# Debian 12's own packages: the runtime floor we test, and the tools the tests drive.
+deps:
+	@packaging/install-deps
+
+demo: deps
+	$(PYTHON) -m tests.demo
+
+test: deps
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests
+	$(MAKE) test-latest
+
+# The core suite again on the newest grpcio/protobuf from PyPI (the ceiling).
+test-latest:
+	packaging/latest-venv .venv-latest
+	.venv-latest/bin/python -m pytest -q -p no:cacheprovider tests/test_api.py tests/test_daemon.py
+
+bench: deps
+	$(PYTHON) -m bench
+
+# Regenerate the v1beta1 bindings with protoc 3.21 (Debian's protobuf-compiler or grpcio-tools==1.51.3).
+proto:
+	cd atedevd/api && protoc --python_out=. deviceplugin.proto
+
+deb:
+	@echo "deb: see the packaging issue" && false
+
+rpm:
+	@echo "rpm: see the packaging issue" && false
+
+clean:
+	rm -rf build dist .venv-latest *.egg-info .pytest_cache
