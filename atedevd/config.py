@@ -118,7 +118,7 @@ def _read(path: str, required: bool, report: _Report) -> Optional[str]:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
-            report.add(f"cannot read: not a regular file ({_kind(mode)})")
+            report.add(f"cannot read: not a regular file ({file_type(mode)})")
             return None
         with os.fdopen(fd, "rb") as f:
             raw = f.read(MAX_FILE_BYTES + 1)
@@ -136,7 +136,7 @@ def _read(path: str, required: bool, report: _Report) -> Optional[str]:
         return None
 
 
-def _kind(mode: int) -> str:
+def file_type(mode: int) -> str:
     """What a file is, in words (shared with `atedevd check`)."""
     for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"),
                        (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
