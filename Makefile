@@ -28,10 +28,10 @@ proto:
 	cd atedevd/api && protoc --python_out=. deviceplugin.proto
 
 deb:
-	@echo "deb: see the packaging issue" && false
+	DEB_REVISION='$(DEB_REVISION)' packaging/build-deb
 
 rpm:
-	@echo "rpm: see the packaging issue" && false
+	packaging/build-rpm
 
 clean:
 	rm -rf build dist .venv-latest *.egg-info .pytest_cache
