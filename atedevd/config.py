@@ -183,7 +183,7 @@ class _Lines:
         self.keys: Dict[Tuple[str, int], Dict[str, int]] = {}
         self.headers: Dict[Tuple[str, int], int] = {}
         table, closer, devices = ("", 0), None, 0
-        for n, raw in enumerate(text.splitlines(), 1):
+        for n, raw in enumerate(text.split("\n"), 1):  # TOML lines end at \n only
             s = raw.strip()
             if closer:
                 if s.count(closer) % 2:

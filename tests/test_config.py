@@ -470,3 +470,9 @@ def test_fuzz_structured_documents(tmp_path, devices, daemon):
     cfg = _load_anything(tmp_path, text.encode())
     if cfg is not None and devices:
         assert len(cfg.devices) == len(devices)
+
+
+def test_line_numbers_count_only_newlines(tmp_path):
+    # U+2028 is legal in a TOML comment and must not count as a line break; CRLF files work too.
+    assert errors(tmp_path, '# a\u2028b\r\n[daemon]\r\nlog_level = "x"\r\n') == [
+        ':3: [daemon] log_level: must be one of debug, info, warning, error, got "x"']
