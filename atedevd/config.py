@@ -244,7 +244,7 @@ def _build(data: dict, lines: _Lines, report: _Report) -> Config:
     for key, value in data.items():
         if key == "daemon":
             if isinstance(value, dict):
-                cfg = _build_daemon(value, lines, report)
+                cfg = replace(cfg, **_build_daemon(value, lines, report))
             else:
                 report.add(f"daemon: must be a table ([daemon]), got {_type_name(value)}", lines.of("", 0, key))
         elif key == "device":
@@ -260,7 +260,7 @@ def _build(data: dict, lines: _Lines, report: _Report) -> Config:
     return cfg
 
 
-def _build_daemon(table: dict, lines: _Lines, report: _Report) -> Config:
+def _build_daemon(table: dict, lines: _Lines, report: _Report) -> dict:
     values = {}
     for key, value in table.items():
         line = lines.of("daemon", 0, key) or lines.of(f"daemon.{key}") or lines.of("daemon")
@@ -272,7 +272,7 @@ def _build_daemon(table: dict, lines: _Lines, report: _Report) -> Config:
             report.add(f"[daemon] {key}: {problem}", line)
         else:
             values[key] = value
-    return replace(Config(), **values)
+    return values
 
 
 def _check_daemon_value(key: str, value) -> Optional[str]:

@@ -476,3 +476,9 @@ def test_line_numbers_count_only_newlines(tmp_path):
     # U+2028 is legal in a TOML comment and must not count as a line break; CRLF files work too.
     assert errors(tmp_path, '# a\u2028b\r\n[daemon]\r\nlog_level = "x"\r\n') == [
         ':3: [daemon] log_level: must be one of debug, info, warning, error, got "x"']
+
+
+def test_devices_before_daemon_table_are_kept(tmp_path):
+    path = write(tmp_path, 'device = [{resource = "a.b/c", path = "/dev/c"}]\n[daemon]\nlog_level = "debug"\n')
+    cfg = config.load(path)
+    assert cfg.devices == (Device("a.b/c", "/dev/c"),) and cfg.log_level == "debug"
