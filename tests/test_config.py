@@ -482,3 +482,25 @@ def test_devices_before_daemon_table_are_kept(tmp_path):
     path = write(tmp_path, 'device = [{resource = "a.b/c", path = "/dev/c"}]\n[daemon]\nlog_level = "debug"\n')
     cfg = config.load(path)
     assert cfg.devices == (Device("a.b/c", "/dev/c"),) and cfg.log_level == "debug"
+
+
+_label = st.from_regex(r"[a-z0-9]([-a-z0-9]{0,10}[a-z0-9])?", fullmatch=True)
+_valid_device = st.builds(
+    lambda dom, name, base, count, perm: Device(f"{'.'.join(dom)}/{name}", f"/dev/{base}", count, perm),
+    st.lists(_label, min_size=1, max_size=3),
+    st.from_regex(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,20}[A-Za-z0-9])?", fullmatch=True),
+    st.from_regex(r"[a-z][a-z0-9-]{0,15}", fullmatch=True),
+    st.integers(1, 65536),
+    st.sampled_from(["r", "w", "m", "rw", "wr", "rm", "rwm", "mrw"]),
+).filter(lambda d: not d.resource.startswith("requests.") and "kubernetes.io/" not in d.resource)
+
+
+@FUZZ
+@given(st.lists(_valid_device, min_size=1, max_size=5, unique_by=(lambda d: d.resource, lambda d: d.path)),
+       st.sampled_from(config.LOG_LEVELS))
+def test_valid_documents_round_trip(tmp_path, devices, level):
+    text = f'[daemon]\nlog_level = "{level}"\n' + "".join(
+        f'[[device]]\nresource = "{d.resource}"\npath = "{d.path}"\ncount = {d.count}\npermissions = "{d.permissions}"\n'
+        for d in devices)
+    cfg = config.load(write(tmp_path, text))
+    assert cfg.devices == tuple(devices) and cfg.log_level == level
