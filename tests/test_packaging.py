@@ -132,6 +132,13 @@ def test_deb_control_depends_on_debian_runtime_and_marks_the_config_conffile(deb
     assert conffiles == ["/etc/atedevd/config.toml"]
 
 
+def test_deb_dependencies_resolve_on_this_debian(deb):
+    """The versioned Depends are satisfiable from Debian's own archive (apt plans it; nothing is installed)."""
+    path, _ = deb
+    r = run("apt-get", "install", "-s", "--no-install-recommends", str(path))
+    assert re.search(rf"^Inst atedevd \({re.escape(VERSION)}-1 ", r.stdout, re.M), r.stdout
+
+
 def test_deb_maintainer_scripts_enable_start_restart_and_stop_the_unit(deb):
     path, _ = deb
     script = {s: run("dpkg-deb", "-I", str(path), s).stdout for s in ("postinst", "prerm", "postrm")}
