@@ -1,0 +1,91 @@
+"""Try what atedevd's sandbox must forbid (and what it must allow); print the outcomes as one JSON line.
+
+Run inside the test container, once under atedevd.service's own sandbox (a drop-in
+swaps its ExecStart for this script) and once unconfined as the control. It only
+reports: tests/test_systemd.py decides what each outcome must be.
+Outcome per attempt: "ok", or the errno name (EROFS, EPERM, EAFNOSUPPORT, ...).
+"""
+
+import errno
+import json
+import os
+import socket
+import stat
+import sys
+
+PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+
+
+def attempt(fn):
+    try:
+        fn()
+        return "ok"
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+
+
+def write(path):
+    def fn():
+        with open(path, "w") as f:
+            f.write("probe\n")
+        os.unlink(path)
+    return fn
+
+
+def sock(family, kind=socket.SOCK_STREAM):
+    return lambda: socket.socket(family, kind).close()
+
+
+def open_dev(path):
+    def fn():
+        os.close(os.open(path, os.O_RDWR))
+    return fn
+
+
+def mknod(path):
+    def fn():
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        os.unlink(path)
+    return fn
+
+
+def status_fields():
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("CapEff", "CapBnd", "NoNewPrivs", "Seccomp"):
+                fields[key] = value.strip()
+    return fields
+
+
+def main() -> int:
+    runtime = os.environ.get("RUNTIME_DIRECTORY", "/run")
+    results = {
+        "write /etc": attempt(write("/etc/atedevd-probe")),
+        "write /usr": attempt(write("/usr/atedevd-probe")),
+        "write /var/lib": attempt(write("/var/lib/atedevd-probe")),
+        "write /var/lib/kubelet": attempt(write("/var/lib/kubelet/atedevd-probe")),
+        "write /root": attempt(write("/root/atedevd-probe")),
+        "write plugin dir": attempt(write(PLUGIN_DIR + "/atedevd-probe")),
+        "write runtime dir": attempt(write(os.path.join(runtime, "atedevd-probe"))),
+        "socket AF_UNIX": attempt(sock(socket.AF_UNIX)),
+        "socket AF_INET tcp": attempt(sock(socket.AF_INET)),
+        "socket AF_INET6 tcp": attempt(sock(socket.AF_INET6)),
+        "socket AF_INET udp": attempt(sock(socket.AF_INET, socket.SOCK_DGRAM)),
+        "socket AF_NETLINK": attempt(sock(socket.AF_NETLINK, socket.SOCK_RAW)),
+        "socket AF_PACKET": attempt(sock(socket.AF_PACKET, socket.SOCK_RAW)),
+        "open /dev/kvm": attempt(open_dev("/dev/kvm")),
+        "open /dev/net/tun": attempt(open_dev("/dev/net/tun")),
+        "open /dev/null": attempt(open_dev("/dev/null")),
+        "stat /dev/kvm": "chr" if stat.S_ISCHR(os.stat("/dev/kvm").st_mode) else "not a character device",
+        "mknod": attempt(mknod(PLUGIN_DIR + "/atedevd-probe-node")),
+        "setuid": attempt(lambda: os.setuid(65534)),
+        "status": status_fields(),
+    }
+    print("ATEDEVD-PROBE " + json.dumps(results, sort_keys=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,406 @@
+"""atedevd.service under a real systemd: a booted Debian bookworm container (tests/container.py).
+
+The working tree's daemon, unit and kubelet stand-in are installed in it; one boot
+serves the whole module. Every test starts from the same state (the `clean`
+fixture): atedevd stopped, no drop-ins, no config file (the built-in default,
+/dev/kvm as ate.dev/kvm), a fake /dev/kvm (character device 10:232), the kubelet
+stand-in running.
+
+What the container cannot show, and why, is said where it matters.
+"""
+
+import contextlib
+import json
+import time
+
+import pytest
+
+from tests.container import (
+    FULL,
+    PLUGIN_DIR,
+    RESOURCE,
+    SOCKET,
+    STANDIN_UNIT,
+    TEST_LIB,
+    Container,
+    cached_rootfs,
+    diagnostics,
+    fake_kvm,
+    install_project,
+    resource_state,
+    standin_state,
+    start_standin,
+    stop_standin,
+    wait_registered,
+    wait_until,
+)
+
+DROPIN_DIR = "/etc/systemd/system/atedevd.service.d"
+CONFIG = "/etc/atedevd/config.toml"
+
+
+@pytest.fixture(scope="module")
+def node():
+    with Container(cached_rootfs(FULL)) as n:
+        install_project(n)
+        fake_kvm(n)
+        start_standin(n)
+        yield n
+
+
+@pytest.fixture
+def clean(node):
+    node.systemctl("stop", "atedevd", check=False)
+    node.run("rm", "-rf", DROPIN_DIR, "/etc/atedevd")
+    node.daemon_reload()
+    node.systemctl("reset-failed", "atedevd", check=False)
+    node.run("systemd-analyze", "log-level", "info")
+    fake_kvm(node)
+    if node.systemctl("is-active", STANDIN_UNIT, check=False).stdout.strip() != "active":
+        start_standin(node)
+    return node
+
+
+def registrations(node) -> int:
+    return resource_state(node).get("registrations", 0)
+
+
+def start_and_register(node) -> dict:
+    """Start atedevd and wait until the stand-in holds a new registration of ate.dev/kvm."""
+    before = registrations(node)
+    node.systemctl("start", "atedevd")
+    return wait_registered(node, before + 1)
+
+
+def cursor(node) -> str:
+    out = node.run("journalctl", "-n", "0", "--show-cursor", "--no-pager").stdout
+    return out.strip().rsplit("-- cursor: ", 1)[-1]
+
+
+def journal_since(node, cur: str, *args: str) -> str:
+    return node.journal(f"--after-cursor={cur}", *args)
+
+
+def wait_journal(node, cur: str, check, what: str, *args: str, timeout: float = 15):
+    """journald writes asynchronously: poll the unit's journal since `cur` until check(text) holds."""
+    text = ""
+
+    def ok():
+        nonlocal text
+        text = journal_since(node, cur, "-u", "atedevd", *args)
+        return check(text)
+
+    wait_until(ok, timeout, what, lambda: text)
+    return text
+
+
+def json_entries(text: str):
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+@contextlib.contextmanager
+def systemd_debug(node):
+    """systemd logs every sd_notify message it receives at debug level: see READY, RELOADING, STOPPING."""
+    node.run("systemd-analyze", "log-level", "debug")
+    try:
+        yield
+    finally:
+        node.run("systemd-analyze", "log-level", "info")
+
+
+def notifications(node, cur: str, pid: int, last: str) -> str:
+    """The sd_notify messages systemd received from `pid` since `cur`, in order, up to one containing `last`."""
+
+    def received(text):
+        return "\n".join(s for s in text.splitlines() if f"Got notification message from PID {pid} " in s)
+
+    return received(wait_journal(node, cur, lambda s: last in received(s), f"{last} from PID {pid}", "-o", "cat"))
+
+
+def dropin(node, name: str, text: str) -> None:
+    node.write(f"{DROPIN_DIR}/{name}.conf", text)
+    node.daemon_reload()
+
+
+# --- start, status, journal ------------------------------------------------------------
+
+
+def test_enable_now_active_registered_with_status(clean):
+    node = clean
+    node.systemctl("enable", "--now", "atedevd")
+    assert node.systemctl("is-enabled", "atedevd").stdout.strip() == "enabled"
+    state = wait_registered(node, 1)
+    assert state["endpoint"] == "ate.dev-kvm.sock"
+    show = node.show("atedevd", "ActiveState", "SubState", "Type", "StatusText", "NRestarts")
+    assert (show["ActiveState"], show["SubState"], show["Type"]) == ("active", "running", "notify")
+    # The STATUS= line, kept current: it says registered once the stand-in holds the stream.
+    wait_until(lambda: "registered" in node.show("atedevd", "StatusText")["StatusText"], 10, "STATUS= registered",
+               lambda: diagnostics(node))
+    status = node.systemctl("status", "atedevd").stdout
+    line = next((s for s in status.splitlines() if s.strip().startswith("Status:")), "")
+    assert RESOURCE in line and "registered" in line and "4096/4096 healthy" in line, status
+    print(status)  # quoted in the report: pytest -s shows it
+
+
+def test_journal_carries_structured_fields(clean):
+    node = clean
+    cur = cursor(node)
+    start_and_register(node)
+    text = wait_journal(node, cur, lambda s: '"registered"' in s, "the registered event", "-o", "json")
+    entries = json_entries(text)
+    ours = [e for e in entries if e.get("SYSLOG_IDENTIFIER") == "atedevd"]
+    assert ours, entries
+    events = {e.get("ATEDEVD_EVENT") for e in ours}
+    assert {"started", "serving", "registered"} <= events, events
+    serving = next(e for e in ours if e.get("ATEDEVD_EVENT") == "serving")
+    assert serving["ATEDEVD_RESOURCE"] == RESOURCE
+    assert serving["ATEDEVD_SOCKET"] == SOCKET
+    assert serving["ATEDEVD_DEVICE"] == "/dev/kvm"
+    registered = next(e for e in ours if e.get("ATEDEVD_EVENT") == "registered")
+    assert registered["PRIORITY"] == "6" and registered["ATEDEVD_RESOURCE"] == RESOURCE
+    # One resource's story, by field match.
+    story = node.journal("-u", "atedevd", f"ATEDEVD_RESOURCE={RESOURCE}", "-o", "json", f"--after-cursor={cur}")
+    story_events = [e["ATEDEVD_EVENT"] for e in json_entries(story)]
+    assert "registered" in story_events and all(e["ATEDEVD_RESOURCE"] == RESOURCE for e in json_entries(story))
+    assert node.journal("-u", "atedevd", "ATEDEVD_RESOURCE=ate.dev/nonexistent", "-o", "cat").strip() in ("", "-- No entries --")
+
+
+def test_allocate_through_the_sandbox(clean):
+    node = clean
+    start_and_register(node)
+    out = node.run("/usr/bin/python3", f"{TEST_LIB}/kubelet_standin.py", "allocate", "--plugin-dir", PLUGIN_DIR,
+                   "--resource", RESOURCE, "--ids", "kvm-0,kvm-1").stdout
+    resp = json.loads(out)
+    assert resp["container_responses"] == [
+        {"devices": [{"host_path": "/dev/kvm", "container_path": "/dev/kvm", "permissions": "rw"}]}
+    ]
+
+
+def test_sandbox_still_sees_dev(clean):
+    """No PrivateDevices=: the daemon sees /dev/kvm go and come back (stat + inotify on /dev) while confined."""
+    node = clean
+    start_and_register(node)
+    fake_kvm(node, present=False)
+    wait_until(lambda: resource_state(node).get("unhealthy") == 4096, 20, "all units Unhealthy after rm /dev/kvm",
+               lambda: f"{resource_state(node)}\n{diagnostics(node)}")
+    fake_kvm(node, present=True)
+    wait_until(lambda: resource_state(node).get("healthy") == 4096, 20, "all units Healthy after mknod /dev/kvm",
+               lambda: f"{resource_state(node)}\n{diagnostics(node)}")
+
+
+def test_kubelet_restart_reregisters_and_warns(clean):
+    node = clean
+    before = start_and_register(node)["registrations"]
+    cur = cursor(node)
+    restarts = standin_state(node)["restarts"]
+    node.systemctl("kill", "--signal=SIGHUP", STANDIN_UNIT)  # a kubelet restart: sockets wiped, kubelet.sock anew
+    wait_until(lambda: standin_state(node)["restarts"] > restarts, 20, "stand-in restart")
+    wait_registered(node, before + 1)
+    assert node.show("atedevd", "NRestarts")["NRestarts"] == "0"
+    # Losing the registration is a warning, with the resource named.
+    wait_journal(node, cur, lambda s: any(e.get("ATEDEVD_RESOURCE") == RESOURCE and e.get("PRIORITY") == "4"
+                                          for e in json_entries(s)),
+                 "a warning about the lost registration", "-o", "json")
+
+
+# --- reload, crash, watchdog, stop ------------------------------------------------------------
+
+
+def test_reload_keeps_the_registration(clean):
+    node = clean
+    before = start_and_register(node)["registrations"]
+    pid = node.main_pid()
+    # The reload really re-reads the file: add a second device, keep kvm as it was.
+    node.write(CONFIG, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n\n'
+                       '[[device]]\nresource = "ate.dev/tun"\npath = "/dev/net/tun"\ncount = 8\n')
+    cur = cursor(node)
+    with systemd_debug(node):
+        node.systemctl("reload", "atedevd")
+    assert node.main_pid() == pid
+    assert node.show("atedevd", "ActiveState")["ActiveState"] == "active"
+    messages = notifications(node, cur, pid, "READY=1")
+    reloading = messages.find("RELOADING=1")
+    assert reloading >= 0 and "MONOTONIC_USEC=" in messages[reloading:], messages
+    assert messages.find("READY=1", reloading) > reloading, messages
+    wait_journal(node, cur, lambda s: '"ATEDEVD_EVENT":"reloaded"' in s, "the reloaded event", "-o", "json")
+    wait_until(lambda: (standin_state(node)["resources"].get("ate.dev/tun") or {}).get("healthy") == 8, 20,
+               "the reloaded config's second device registered", lambda: f"{standin_state(node)}\n{diagnostics(node)}")
+    time.sleep(1.5)  # give a dropped registration the time to show
+    kvm = resource_state(node)
+    assert kvm["registrations"] == before and kvm["connected"], kvm
+
+
+def test_kill9_restarts_and_registers_again(clean):
+    node = clean
+    before = start_and_register(node)["registrations"]
+    pid = node.main_pid()
+    cur = cursor(node)
+    node.run("kill", "-9", str(pid))
+    wait_until(lambda: node.main_pid() not in (0, pid), 30, "a new main process")
+    wait_registered(node, before + 1)
+    show = node.show("atedevd", "ActiveState", "NRestarts")
+    assert show == {"ActiveState": "active", "NRestarts": "1"}, show
+    wait_journal(node, cur, lambda s: "status=9/KILL" in s, "systemd noting the SIGKILL", "-o", "cat")
+
+
+def test_watchdog_kills_a_stopped_loop(clean):
+    node = clean
+    dropin(node, "watchdog", "[Service]\nWatchdogSec=2s\n")
+    before = start_and_register(node)["registrations"]
+    pid = node.main_pid()
+    # Alive and pinging: well past the 2 s limit, still the same process, never restarted.
+    time.sleep(5)
+    assert (node.main_pid(), node.show("atedevd", "NRestarts")["NRestarts"]) == (pid, "0"), diagnostics(node)
+    cur = cursor(node)
+    node.run("kill", "-STOP", str(pid))
+    wait_until(lambda: node.main_pid() not in (0, pid), 30, "the watchdog kill and restart", lambda: diagnostics(node))
+    wait_registered(node, before + 1)
+    wait_journal(node, cur, lambda s: "Watchdog timeout" in s and "result 'watchdog'" in s, "the watchdog kill", "-o", "cat")
+    assert node.show("atedevd", "NRestarts")["NRestarts"] == "1"
+
+
+def test_stop_removes_sockets_and_exits_clean(clean):
+    node = clean
+    start_and_register(node)
+    pid = node.main_pid()
+    node.run("test", "-S", SOCKET)
+    cur = cursor(node)
+    with systemd_debug(node):
+        node.systemctl("stop", "atedevd")
+    show = node.show("atedevd", "ActiveState", "Result", "ExecMainCode", "ExecMainStatus")
+    # ExecMainCode 1 is CLD_EXITED: the daemon exited by itself with status 0, it was not killed.
+    assert show == {"ActiveState": "inactive", "Result": "success", "ExecMainCode": "1", "ExecMainStatus": "0"}, show
+    assert node.run("test", "-e", SOCKET, check=False).returncode != 0, "socket left behind"
+    notifications(node, cur, pid, "STOPPING=1")
+    wait_journal(node, cur, lambda s: '"ATEDEVD_EVENT":"stopping"' in s, "the stopping event", "-o", "json")
+    wait_until(lambda: not resource_state(node).get("connected"), 10, "the stand-in to see the stream end")
+
+
+def test_broken_config_fails_once_with_a_clear_message(clean):
+    node = clean
+    node.write(CONFIG, '[daemon]\nlog_level = "loud"\n\n[[device]]\nresource = "kvm"\n')
+    p = node.systemctl("start", "atedevd", check=False)
+    assert p.returncode != 0
+    show = node.show("atedevd", "ActiveState", "Result", "ExecMainStatus", "NRestarts")
+    assert show == {"ActiveState": "failed", "Result": "exit-code", "ExecMainStatus": "78", "NRestarts": "0"}, show
+    time.sleep(3)  # three RestartSec= periods: a restart loop would have begun by now
+    show = node.show("atedevd", "ActiveState", "NRestarts")
+    assert show == {"ActiveState": "failed", "NRestarts": "0"}, show
+    status = ""
+
+    def clear():
+        nonlocal status
+        status = node.systemctl("status", "atedevd", check=False).stdout
+        return "status=78" in status and "configuration error" in status and CONFIG in status and "log_level" in status
+
+    wait_until(clear, 15, "the config error in systemctl status", lambda: status)
+
+
+# --- the plugin directory, present or not ------------------------------------------------------
+
+
+def test_missing_plugin_dir_is_created_and_waited_on(clean):
+    node = clean
+    stop_standin(node)
+    node.run("rm", "-rf", "/var/lib/kubelet")
+    node.systemctl("start", "atedevd")  # no 226/NAMESPACE: ExecStartPre made the directory first
+    assert node.show("atedevd", "ActiveState")["ActiveState"] == "active"
+    assert node.run("stat", "-c", "%a %u %g", PLUGIN_DIR).stdout.split() == ["750", "0", "0"]
+    wait_until(lambda: "waiting for kubelet" in node.show("atedevd", "StatusText")["StatusText"], 10,
+               "STATUS= waiting for kubelet", lambda: diagnostics(node))
+    start_standin(node)
+    wait_registered(node, 1)
+
+
+def test_existing_plugin_dir_keeps_owner_and_mode(clean):
+    node = clean
+    stop_standin(node)
+    node.run("rm", "-rf", "/var/lib/kubelet")
+    node.sh(f"mkdir -m 0701 /var/lib/kubelet && mkdir -m 0710 {PLUGIN_DIR} && chown 0:1 {PLUGIN_DIR}")
+    start_standin(node)  # its mkdir -p leaves them alone too
+    start_and_register(node)
+    node.systemctl("restart", "atedevd")  # ExecStartPre runs on every start
+    wait_registered(node, 2)
+    assert node.run("stat", "-c", "%a %u %g", PLUGIN_DIR).stdout.split() == ["710", "0", "1"]
+    assert node.run("stat", "-c", "%a %u %g", "/var/lib/kubelet").stdout.split() == ["701", "0", "0"]
+
+
+# --- the sandbox, in force -------------------------------------------------------------------------
+
+PROBE_DROPIN = f"""[Service]
+# The same unit and sandbox, with a probe instead of the daemon.
+Type=oneshot
+Restart=no
+WatchdogSec=0
+ExecStart=
+ExecStart=/usr/bin/python3 {TEST_LIB}/container_probe.py
+ExecReload=
+"""
+
+
+def probe_output(text: str) -> dict:
+    line = next(s for s in text.splitlines() if s.startswith("ATEDEVD-PROBE "))
+    return json.loads(line.split(" ", 1)[1])
+
+
+@pytest.fixture
+def probes(clean):
+    """The probe unconfined (the control) and under atedevd.service's sandbox."""
+    node = clean
+    start_standin(node)  # the plugin directory exists, as on a node running kubelet
+    free = probe_output(node.run("/usr/bin/python3", f"{TEST_LIB}/container_probe.py").stdout)
+    dropin(node, "probe", PROBE_DROPIN)
+    cur = cursor(node)
+    node.systemctl("start", "atedevd")
+    boxed = probe_output(wait_journal(node, cur, lambda s: "ATEDEVD-PROBE " in s, "the probe's report", "-o", "cat"))
+    return free, boxed
+
+
+def test_sandbox_cannot_write_outside_its_directories(probes):
+    free, boxed = probes
+    for where in ("/etc", "/usr", "/var/lib", "/var/lib/kubelet", "/root"):
+        assert free[f"write {where}"] == "ok", (where, free)
+        # /root is hidden (ProtectHome=), the rest is read-only (ProtectSystem=strict).
+        assert boxed[f"write {where}"] in ("EROFS", "EACCES", "ENOENT"), (where, boxed)
+    assert boxed["write plugin dir"] == "ok" and boxed["write runtime dir"] == "ok", boxed
+
+
+def test_sandbox_cannot_open_network_sockets(probes):
+    free, boxed = probes
+    for family in ("AF_INET tcp", "AF_INET6 tcp", "AF_INET udp", "AF_NETLINK", "AF_PACKET"):
+        assert free[f"socket {family}"] == "ok", (family, free)
+        assert boxed[f"socket {family}"] == "EAFNOSUPPORT", (family, boxed)
+    assert boxed["socket AF_UNIX"] == "ok"
+
+
+def test_sandbox_cannot_open_device_nodes(probes):
+    free, boxed = probes
+    # Unconfined, /dev/net/tun opens and /dev/kvm gets past the device cgroup to the (absent) driver:
+    # ENXIO/ENODEV. Confined, DevicePolicy=closed refuses both before any driver is reached: EPERM.
+    assert free["open /dev/net/tun"] == "ok", free
+    assert free["open /dev/kvm"] in ("ENXIO", "ENODEV", "ok"), free
+    assert boxed["open /dev/net/tun"] == "EPERM", boxed
+    assert boxed["open /dev/kvm"] == "EPERM", boxed
+    assert boxed["stat /dev/kvm"] == "chr", boxed  # still visible: the daemon needs to see it
+    assert boxed["open /dev/null"] == "ok", boxed  # the pseudo devices stay usable
+    assert boxed["mknod"] == "EPERM" and boxed["setuid"] == "EPERM", boxed
+    assert boxed["status"]["CapEff"] == "0000000000000000" and boxed["status"]["NoNewPrivs"] == "1", boxed
+
+
+def test_running_daemon_is_confined(clean):
+    """The real daemon process, inspected from outside its namespaces."""
+    node = clean
+    start_and_register(node)
+    pid = node.main_pid()
+    status = dict(line.split(":", 1) for line in node.run("cat", f"/proc/{pid}/status").stdout.splitlines())
+    assert status["CapEff"].strip() == "0000000000000000" and status["CapBnd"].strip() == "0000000000000000"
+    assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2", status
+    for ns in ("net", "user", "ipc", "mnt"):
+        ours = node.run("readlink", f"/proc/{pid}/ns/{ns}").stdout
+        assert ours != node.run("readlink", f"/proc/1/ns/{ns}").stdout, f"daemon shares init's {ns} namespace"
+
+    def mount_options(path):
+        return node.run("findmnt", "-N", str(pid), "-n", "-o", "OPTIONS", "-T", path).stdout.split(",")[0]
+
+    assert mount_options("/") == "ro" and mount_options("/etc") == "ro" and mount_options("/var/lib/kubelet") == "ro"
+    assert mount_options(PLUGIN_DIR) == "rw"
