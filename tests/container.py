@@ -145,14 +145,14 @@ def _prepare(root: Path, spec: RootfsSpec) -> None:
     if spec.download:
         # apt's lists (so `apt install ./x.deb` resolves) and the dependencies' .debs (so it
         # resolves them without the network); nothing of them is installed.
-        _nspawn_cmd(root, "apt-get", "update")
-        _nspawn_cmd(root, "apt-get", "install", "-y", "--download-only", "--no-install-recommends", *spec.download)
+        run_in_rootfs(root, "apt-get", "update")
+        run_in_rootfs(root, "apt-get", "install", "-y", "--download-only", "--no-install-recommends", *spec.download)
     else:
-        _nspawn_cmd(root, "apt-get", "clean")
+        run_in_rootfs(root, "apt-get", "clean")
 
 
-def _nspawn_cmd(root: Path, *argv: str) -> None:
-    """Run one command in `root` (not booted), with /proc, /dev and resolv.conf set up by nspawn."""
+def run_in_rootfs(root: Path, *argv: str) -> None:
+    """Run one command in `root`, not booted (as an image build does), with /proc, /dev and resolv.conf set up."""
     _run(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", f"--machine=atedevd-build-{os.getpid()}",
           "-D", str(root), "--setenv=DEBIAN_FRONTEND=noninteractive", *argv], timeout=900)
 
@@ -205,7 +205,7 @@ class Container:
 
     def boot(self) -> None:
         assert self.root is not None, "mount() first"
-        self._log = open(self.workdir / "console.log", "w")
+        self._log = open(self.workdir / "console.log", "a")
         env = {"PATH": CONTAINER_PATH, "LANG": "C.UTF-8", "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"}
         self.proc = subprocess.Popen(
             ["systemd-nspawn", "--register=no", "--keep-unit", "--system-call-filter=bpf", "--private-network",
@@ -236,8 +236,8 @@ class Container:
             failed = self.run("systemctl", "--failed", "--no-legend", check=False).stdout
             raise HarnessError(f"container booted degraded:\n{failed}\n{self.console()}")
 
-    def destroy(self) -> None:
-        """Power off (or kill) the container, unmount, delete the scratch layer. Idempotent."""
+    def shutdown(self) -> None:
+        """Power off (or kill) the container; the overlay stays mounted. Idempotent."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)  # nspawn: ask init for a clean poweroff
             try:
@@ -250,12 +250,16 @@ class Container:
         if self._log is not None:
             self._log.close()
             self._log = None
+        shutil.rmtree(f"/run/systemd/nspawn/propagate/{self.name}", ignore_errors=True)
+        self.pid = None
+
+    def destroy(self) -> None:
+        """Shut down, unmount, delete the scratch layer. Idempotent."""
+        self.shutdown()
         if self.workdir is not None:
             _teardown_dir(self.workdir)
             self.workdir = None
-        shutil.rmtree(f"/run/systemd/nspawn/propagate/{self.name}", ignore_errors=True)
         self.root = None
-        self.pid = None
 
     def console(self, lines: int = 60) -> str:
         try:
@@ -398,6 +402,12 @@ def reap_stale() -> None:
         except (OSError, ValueError):
             pass
         _teardown_dir(d)
+    for d in Path("/run/systemd/nspawn/propagate").glob("atedevd-test-*-*"):
+        try:
+            if not _alive(int(d.name.split("-")[2])):
+                shutil.rmtree(d, ignore_errors=True)
+        except (IndexError, ValueError):
+            pass
 
 
 # --- the project and the kubelet stand-in, inside -----------------------------------------
