@@ -24,11 +24,12 @@ def attempt(fn):
         return errno.errorcode.get(e.errno, str(e.errno))
 
 
-def write(path):
+def write(path, keep=False):
     def fn():
         with open(path, "w") as f:
             f.write("probe\n")
-        os.unlink(path)
+        if not keep:
+            os.unlink(path)
     return fn
 
 
@@ -61,6 +62,7 @@ def status_fields():
 
 def main() -> int:
     runtime = os.environ.get("RUNTIME_DIRECTORY", "/run")
+    kept = "atedevd-probe-" + ("unit" if "INVOCATION_ID" in os.environ else "free")
     results = {
         "write /etc": attempt(write("/etc/atedevd-probe")),
         "write /usr": attempt(write("/usr/atedevd-probe")),
@@ -68,6 +70,9 @@ def main() -> int:
         "write /var/lib/kubelet": attempt(write("/var/lib/kubelet/atedevd-probe")),
         "write /root": attempt(write("/root/atedevd-probe")),
         "write plugin dir": attempt(write(PLUGIN_DIR + "/atedevd-probe")),
+        # Left behind on purpose: under PrivateTmp= nobody else may see them.
+        "write /tmp": attempt(write(f"/tmp/{kept}", keep=True)),
+        "write /var/tmp": attempt(write(f"/var/tmp/{kept}", keep=True)),
         "write runtime dir": attempt(write(os.path.join(runtime, "atedevd-probe"))),
         "socket AF_UNIX": attempt(sock(socket.AF_UNIX)),
         "socket AF_INET tcp": attempt(sock(socket.AF_INET)),

@@ -142,6 +142,16 @@ def test_enable_now_active_registered_with_status(clean):
     print(status)  # quoted in the report: pytest -s shows it
 
 
+def test_unit_verifies_and_scores_in_the_container(clean):
+    """The unit as loaded by a real systemd, with the real binaries it names."""
+    node = clean
+    p = node.run("systemd-analyze", "verify", "--man=no", "/etc/systemd/system/atedevd.service", check=False)
+    assert (p.returncode, p.stdout + p.stderr) == (0, "")
+    out = node.run("systemd-analyze", "security", "--no-pager", "atedevd.service").stdout
+    score = float(out.rsplit("Overall exposure level for atedevd.service: ", 1)[1].split()[0])
+    assert score <= 1.0, out
+
+
 def test_journal_carries_structured_fields(clean):
     node = clean
     cur = cursor(node)
@@ -245,11 +255,11 @@ def test_kill9_restarts_and_registers_again(clean):
 
 def test_watchdog_kills_a_stopped_loop(clean):
     node = clean
-    dropin(node, "watchdog", "[Service]\nWatchdogSec=2s\n")
+    dropin(node, "watchdog", "[Service]\nWatchdogSec=3s\n")
     before = start_and_register(node)["registrations"]
     pid = node.main_pid()
-    # Alive and pinging: well past the 2 s limit, still the same process, never restarted.
-    time.sleep(5)
+    # Alive and pinging: more than twice the 3 s limit later, still the same process, never restarted.
+    time.sleep(7)
     assert (node.main_pid(), node.show("atedevd", "NRestarts")["NRestarts"]) == (pid, "0"), diagnostics(node)
     cur = cursor(node)
     node.run("kill", "-STOP", str(pid))
@@ -353,20 +363,25 @@ def probes(clean):
     cur = cursor(node)
     node.systemctl("start", "atedevd")
     boxed = probe_output(wait_journal(node, cur, lambda s: "ATEDEVD-PROBE " in s, "the probe's report", "-o", "cat"))
-    return free, boxed
+    return node, free, boxed
 
 
 def test_sandbox_cannot_write_outside_its_directories(probes):
-    free, boxed = probes
+    node, free, boxed = probes
     for where in ("/etc", "/usr", "/var/lib", "/var/lib/kubelet", "/root"):
         assert free[f"write {where}"] == "ok", (where, free)
         # /root is hidden (ProtectHome=), the rest is read-only (ProtectSystem=strict).
         assert boxed[f"write {where}"] in ("EROFS", "EACCES", "ENOENT"), (where, boxed)
     assert boxed["write plugin dir"] == "ok" and boxed["write runtime dir"] == "ok", boxed
+    # /tmp and /var/tmp are writable but private (PrivateTmp=): what the sandbox left there is not in the node's.
+    assert boxed["write /tmp"] == "ok" and boxed["write /var/tmp"] == "ok", boxed
+    for tmp in ("/tmp", "/var/tmp"):
+        assert node.run("test", "-e", f"{tmp}/atedevd-probe-free", check=False).returncode == 0  # the control's
+        assert node.run("test", "-e", f"{tmp}/atedevd-probe-unit", check=False).returncode != 0, tmp
 
 
 def test_sandbox_cannot_open_network_sockets(probes):
-    free, boxed = probes
+    _, free, boxed = probes
     for family in ("AF_INET tcp", "AF_INET6 tcp", "AF_INET udp", "AF_NETLINK", "AF_PACKET"):
         assert free[f"socket {family}"] == "ok", (family, free)
         assert boxed[f"socket {family}"] == "EAFNOSUPPORT", (family, boxed)
@@ -374,7 +389,7 @@ def test_sandbox_cannot_open_network_sockets(probes):
 
 
 def test_sandbox_cannot_open_device_nodes(probes):
-    free, boxed = probes
+    _, free, boxed = probes
     # Unconfined, /dev/net/tun opens and /dev/kvm gets past the device cgroup to the (absent) driver:
     # ENXIO/ENODEV. Confined, DevicePolicy=closed refuses both before any driver is reached: EPERM.
     assert free["open /dev/net/tun"] == "ok", free
