@@ -335,6 +335,21 @@ def test_existing_plugin_dir_keeps_owner_and_mode(clean):
     assert node.run("stat", "-c", "%a %u %g", "/var/lib/kubelet").stdout.split() == ["701", "0", "0"]
 
 
+def test_plugin_dir_deleted_and_recreated_while_running(clean):
+    """kubelet's directory removed under the running daemon (kubeadm reset, a node wipe) and created anew.
+
+    The daemon's ReadWritePaths= bind mount pins the deleted directory; in its namespace the new one
+    is read-only (ProtectSystem=strict). It must come back registered all the same: today by exiting
+    and being restarted by systemd (a fresh namespace), which is what this checks, not how."""
+    node = clean
+    start_and_register(node)
+    stop_standin(node)
+    node.run("rm", "-rf", "/var/lib/kubelet")
+    start_standin(node)  # a new kubelet: new directory, new kubelet.sock
+    wait_registered(node, 1, timeout=60)
+    assert node.show("atedevd", "ActiveState")["ActiveState"] == "active"
+
+
 # --- the sandbox, in force -------------------------------------------------------------------------
 
 PROBE_DROPIN = f"""[Service]
