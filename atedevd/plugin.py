@@ -1,0 +1,203 @@
+"""The v1beta1 DevicePlugin service for one resource, on its own unix socket.
+
+Handlers only read the current immutable `Snapshot` and wait for the next
+one; they never decide anything. What the control loop must know (a stream
+that kubelet ended) is handed to it through `on_stream_end`.
+"""
+
+import logging
+import os
+import threading
+from concurrent import futures
+from typing import Callable, Optional, Set
+
+import grpc
+
+from atedevd.api import device_plugin_handler, pb
+from atedevd.config import Device
+from atedevd.devices import Snapshot
+
+log = logging.getLogger(__name__)
+
+# kubelet holds one stream per registration, two while it re-registers; more
+# is a misbehaving client, and each stream holds a worker thread.
+MAX_STREAMS = 16
+# Long lists of bad IDs are named only this far in an error.
+_NAMED_IDS = 3
+
+
+class _Stream:
+    __slots__ = ("generation", "ended_by_us")
+
+    def __init__(self, generation: int):
+        self.generation = generation
+        self.ended_by_us = False
+
+
+class PluginServer:
+    """Serves one resource; `publish` a new snapshot, `end_streams` before re-registering."""
+
+    def __init__(
+        self,
+        device: Device,
+        socket_path: str,
+        executor: futures.ThreadPoolExecutor,
+        on_stream_end: Callable[[int, bool], None],
+    ):
+        self.device = device
+        self.socket_path = socket_path
+        self._executor = executor
+        self._on_stream_end = on_stream_end
+        self._cond = threading.Condition()
+        self._snapshot: Optional[Snapshot] = None
+        self._streams: Set[_Stream] = set()
+        self._generation = 0
+        self._server: Optional[grpc.Server] = None
+        self.inode: Optional[int] = None
+        self._spec = pb.DeviceSpec(
+            container_path=device.path, host_path=device.path, permissions=device.permissions
+        )
+
+    # --- control loop side ---------------------------------------------------
+
+    def start(self) -> None:
+        """Bind the socket and serve; grpc replaces a stale file at the path."""
+        server = grpc.server(
+            self._executor,
+            handlers=[device_plugin_handler(self)],
+            options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)],
+        )
+        if server.add_insecure_port("unix:" + self.socket_path) == 0:
+            raise OSError(f"cannot bind {self.socket_path}")
+        server.start()
+        self._server = server
+        self.inode = os.lstat(self.socket_path).st_ino
+
+    def stop(self) -> None:
+        """Stop serving, end every stream, and remove our socket (only if it is still ours)."""
+        self.end_streams()
+        if self._server is not None:
+            self._server.stop(grace=None)
+            self._server = None
+        if self.socket_is_ours():
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+        self.inode = None
+
+    def socket_is_ours(self) -> bool:
+        try:
+            return self.inode is not None and os.lstat(self.socket_path).st_ino == self.inode
+        except FileNotFoundError:
+            return False
+
+    def publish(self, snapshot: Snapshot) -> None:
+        with self._cond:
+            self._snapshot = snapshot
+            self._cond.notify_all()
+
+    def new_generation(self) -> int:
+        """Streams opened from now on belong to the registration about to be made."""
+        with self._cond:
+            self._generation += 1
+            return self._generation
+
+    def end_streams(self, timeout: float = 0.2) -> None:
+        """End every open stream and wait briefly for the handlers to return,
+        so kubelet sees the old stream end before our next Register."""
+        with self._cond:
+            for s in self._streams:
+                s.ended_by_us = True
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: not self._streams, timeout)
+
+    @property
+    def stream_count(self) -> int:
+        with self._cond:
+            return len(self._streams)
+
+    # --- gRPC side (worker threads) ------------------------------------------
+
+    def GetDevicePluginOptions(self, request, context):
+        return pb.DevicePluginOptions()
+
+    def ListAndWatch(self, request, context):
+        with self._cond:
+            if len(self._streams) >= MAX_STREAMS:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.device.resource}: already {MAX_STREAMS} ListAndWatch streams open",
+                )
+            stream = _Stream(self._generation)
+            self._streams.add(stream)
+        context.add_callback(self._wake)
+        sent = None
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(
+                        lambda: stream.ended_by_us
+                        or not context.is_active()
+                        or self._snapshot is not sent
+                    )
+                    if stream.ended_by_us or not context.is_active():
+                        return
+                    sent = self._snapshot
+                yield sent.response
+        finally:
+            with self._cond:
+                self._streams.discard(stream)
+                self._cond.notify_all()
+            self._on_stream_end(stream.generation, stream.ended_by_us)
+
+    def Allocate(self, request, context):
+        snap = self._snapshot
+        resp = pb.AllocateResponse()
+        for n, creq in enumerate(request.container_requests):
+            problem = self._check_ids(creq.devices_ids, snap)
+            if problem:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"container request {n}: {problem}")
+            if not snap.healthy:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{self.device.resource}: {self.device.path} is not present on this node",
+                )
+            # Any number of units of one device still mean one device node.
+            resp.container_responses.add().devices.append(self._spec)
+        return resp
+
+    def GetPreferredAllocation(self, request, context):
+        # Not advertised (units are interchangeable); answer sensibly anyway.
+        resp = pb.PreferredAllocationResponse()
+        for creq in request.container_requests:
+            chosen = list(dict.fromkeys(creq.must_include_deviceIDs))
+            for i in creq.available_deviceIDs:
+                if len(chosen) >= creq.allocation_size:
+                    break
+                if i not in chosen:
+                    chosen.append(i)
+            resp.container_responses.add().deviceIDs.extend(chosen[: max(creq.allocation_size, 0)])
+        return resp
+
+    def PreStartContainer(self, request, context):
+        return pb.PreStartContainerResponse()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _check_ids(self, ids, snap: Snapshot) -> Optional[str]:
+        if not ids:
+            return "no device IDs"
+        unknown = [i for i in ids if i not in snap.ids]
+        if not unknown:
+            return None
+        named = ", ".join(_quote(i) for i in unknown[:_NAMED_IDS])
+        more = f" and {len(unknown) - _NAMED_IDS} more" if len(unknown) > _NAMED_IDS else ""
+        return f"unknown device ID {named}{more} for {self.device.resource}"
+
+
+def _quote(device_id: str, limit: int = 80) -> str:
+    text = repr(device_id[:limit])
+    return text + "…" if len(device_id) > limit else text
