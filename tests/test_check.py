@@ -4,6 +4,7 @@ import io
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 
 import pytest
@@ -188,3 +189,77 @@ def test_check_config_invalid(tmp_path):
         f'{path}:2: [daemon] log_level: must be one of debug, info, warning, error, got "loud"\n'
         f'{path}:4: [[device]] #1 resource: "kvm" must be <domain>/<name> with exactly one "/", e.g. "ate.dev/kvm"\n'
         "config INVALID: 2 errors\n")
+
+
+# --- as a process, the way an operator or a provisioning script runs it -----
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def atedevd(*args):
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.run(["/usr/bin/python3", "-m", "atedevd", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def config_file(node, extra=""):
+    path = os.path.join(node.root, "config.toml")
+    with open(path, "w") as f:
+        f.write(f'[daemon]\ndevice_plugin_dir = "{node.dp}"\ndev_root = "{node.dev}"\n'
+                '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n' + extra)
+    return path
+
+
+def test_process_ready(node):
+    node.kubelet()
+    p = atedevd("check", "--config", config_file(node))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.endswith("READY: this node can serve ate.dev/kvm\n")
+
+
+def test_process_missing_device(node):
+    node.kubelet()
+    p = atedevd("check", "--config", config_file(node, '[[device]]\nresource = "ate.dev/fuse"\npath = "/dev/fuse"\n'))
+    assert p.returncode == 1
+    assert f"  - ate.dev/fuse: {node.dev}/fuse: missing\n" in p.stdout
+
+
+def test_process_regular_file(node):
+    node.kubelet()
+    open(os.path.join(node.dev, "fuse"), "w").close()
+    p = atedevd("check", "--config", config_file(node, '[[device]]\nresource = "ate.dev/fuse"\npath = "/dev/fuse"\n'))
+    assert p.returncode == 1
+    assert "regular file, not a char device" in p.stdout
+
+
+def test_process_stale_and_absent_kubelet_sock(node):
+    path = config_file(node)
+    p = atedevd("check", "--config", path)
+    assert p.returncode == 1 and "kubelet.sock: missing" in p.stdout
+    node.kubelet(close=True)
+    p = atedevd("check", "--config", path)
+    assert p.returncode == 1 and "kubelet.sock: stale: refusing connections" in p.stdout
+
+
+def test_process_flags_override_the_file(node):
+    node.kubelet()
+    path = config_file(node)
+    other = os.path.join(node.root, "empty-dev")
+    os.mkdir(other)
+    p = atedevd("check", "--config", path, "--dev-root", other)
+    assert p.returncode == 1 and f"  - ate.dev/kvm: {other}/kvm: missing\n" in p.stdout
+
+
+def test_process_invalid_config_is_ex_config(node):
+    path = config_file(node, "count = 0\n")
+    p = atedevd("check", "--config", path)
+    assert p.returncode == 78
+    assert f"{path}:7: [[device]] #1 count: must be between 1 and 65536, got 0" in p.stderr
+    p = atedevd("check-config", "--config", path)
+    assert p.returncode == 78
+    assert f"{path}:7: [[device]] #1 count: must be between 1 and 65536, got 0" in p.stderr
+
+
+def test_process_check_config_ok(node):
+    p = atedevd("check-config", "--config", config_file(node))
+    assert p.returncode == 0 and p.stdout.startswith("config OK: ")
