@@ -53,6 +53,7 @@ class Resource:
     registered_at: Optional[float] = None
     lost_at: Optional[float] = None
     last_error: Optional[str] = None
+    serve_error: Optional[str] = None
     last_reregistration: Optional[Tuple[float, float]] = None  # wall time, seconds taken
     registrations: int = 0
 
@@ -233,10 +234,14 @@ class Daemon:
         try:
             server.start()
         except OSError as e:
-            event(logging.ERROR, "serve-failed", f"{r.name}: cannot serve on {path}: {e}", resource=r.name, socket=path)
+            error = f"{r.name}: cannot serve on {path}: {e}"
+            if error != r.serve_error:  # retried on every wake-up; said once
+                event(logging.ERROR, "serve-failed", error, resource=r.name, socket=path)
+            r.serve_error = error
             r.server = None
             r.state = "absent"
             return
+        r.serve_error = None
         event(INFO if r.registrations == 0 else DEBUG, "serving", f"{r.name}: serving {r.device.count} units of {r.device.path} on {path}", resource=r.name, device=r.device.path, socket=path)
         self._register(r)
 

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 # kubelet holds one stream per registration, two while it re-registers; more
 # is a misbehaving client, and each stream holds a worker thread.
 MAX_STREAMS = 16
+# sun_path is 108 bytes with the terminating NUL.
+MAX_SOCKET_PATH = 107
 # Long lists of bad IDs are named only this far in an error.
 _NAMED_IDS = 3
 
@@ -62,13 +64,22 @@ class PluginServer:
 
     def start(self) -> None:
         """Bind the socket and serve; grpc replaces a stale file at the path."""
+        size = len(os.fsencode(self.socket_path))
+        if size > MAX_SOCKET_PATH:
+            raise OSError(f"the socket path is {size} bytes; unix sockets allow at most {MAX_SOCKET_PATH}")
         server = grpc.server(
             self._executor,
             handlers=[device_plugin_handler(self)],
             options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)],
         )
-        if server.add_insecure_port("unix:" + self.socket_path) == 0:
-            raise OSError(f"cannot bind {self.socket_path}")
+        try:
+            port = server.add_insecure_port("unix:" + self.socket_path)
+        except RuntimeError:  # newer grpcio raises where older returns 0
+            port = 0
+        if port == 0:
+            directory = os.path.dirname(self.socket_path)
+            why = "the directory is not writable" if not os.access(directory, os.W_OK) else "bind failed"
+            raise OSError(f"cannot bind the socket: {why}")
         server.start()
         self._server = server
         self.inode = os.lstat(self.socket_path).st_ino

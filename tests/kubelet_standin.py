@@ -79,7 +79,8 @@ class Client:
         self.connected = False
         if self._stream is not None:
             self._stream.cancel()
-        self.channel.close()
+        # grpc's close takes ~0.2 s (its poller's period); a dying kubelet does not wait for it
+        threading.Thread(target=self.channel.close, daemon=True).start()
 
 
 class Kubelet:
@@ -147,6 +148,19 @@ class Kubelet:
         self.wipe()
         time.sleep(gap)
         self._serve()
+
+    def recreate_socket(self) -> None:
+        """What newer kubelets can do without restarting: serve a new kubelet.sock, keep clients."""
+        if self._server is not None:
+            self._server.stop(None).wait(5)  # grpc unlinks the path on stop
+        self._serve()
+
+    def drop(self, resource: str) -> None:
+        """kubelet ends the plugin's ListAndWatch stream (and forgets the client)."""
+        with self.cond:
+            client = self.clients.get(resource)
+        if client is not None:
+            client.close()
 
     def close(self) -> None:
         """Test teardown: kill and remove kubelet.sock."""

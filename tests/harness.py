@@ -1,0 +1,155 @@
+"""Run atedevd as systemd would: a separate process, NOTIFY_SOCKET, signals, logs.
+
+Shared by the tests, the benchmarks and the demo.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESOURCE = "ate.dev/kvm"
+SOCKET_NAME = "ate.dev-kvm.sock"
+
+
+def fake_dev_root(path: str, names=("kvm",)) -> str:
+    """A dev root whose nodes are symlinks to /dev/null: character devices, no root needed."""
+    os.makedirs(path, exist_ok=True)
+    for name in names:
+        node = os.path.join(path, name)
+        os.makedirs(os.path.dirname(node), exist_ok=True)
+        os.symlink("/dev/null", node)
+    return path
+
+
+class NotifySocket:
+    """The systemd end of sd_notify: a datagram socket collecting messages."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.messages: List[dict] = []  # {"at": monotonic, "fields": {...}}
+        self._cond = threading.Condition()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(path)
+        self._sock.settimeout(0.2)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                data = self._sock.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+            with self._cond:
+                self.messages.append({"at": time.monotonic(), "fields": fields})
+                self._cond.notify_all()
+
+    def wait_for(self, key: str, value: Optional[str] = None, timeout: float = 10.0, after: int = 0) -> Optional[dict]:
+        """The first message (from index `after`) carrying key (=value); None on timeout."""
+
+        def find():
+            for m in self.messages[after:]:
+                if key in m["fields"] and (value is None or m["fields"][key] == value):
+                    return m
+            return None
+
+        with self._cond:
+            self._cond.wait_for(lambda: find() is not None, timeout)
+            return find()
+
+    def values(self, key: str) -> List[str]:
+        with self._cond:
+            return [m["fields"][key] for m in self.messages if key in m["fields"]]
+
+    def close(self) -> None:
+        self._stop = True
+        self._sock.close()
+        self._thread.join(1)
+
+
+class Daemon:
+    """One `atedevd run` process with its own notify socket, runtime dir and log file."""
+
+    def __init__(self, workdir: str, plugin_dir: str, dev_root: str, config: Optional[str] = None,
+                 extra_args=(), env=None, log_level: str = "info"):
+        self.workdir = workdir
+        self.plugin_dir = plugin_dir
+        self.socket_path = os.path.join(plugin_dir, SOCKET_NAME)
+        os.makedirs(workdir, exist_ok=True)
+        self.notify = NotifySocket(os.path.join(workdir, f"notify-{time.monotonic_ns()}"))
+        self.log_path = os.path.join(workdir, f"daemon-{time.monotonic_ns()}.log")
+        args = [sys.executable, "-m", "atedevd", "run", "--device-plugin-dir", plugin_dir,
+                "--dev-root", dev_root, "--log-level", log_level]
+        if config is None:  # hermetic: never the host's /etc/atedevd/config.toml
+            config = os.path.join(workdir, "empty.toml")
+            open(config, "a").close()
+        args += ["--config", config]
+        args += list(extra_args)
+        full_env = dict(os.environ)
+        full_env.pop("JOURNAL_STREAM", None)
+        full_env.pop("WATCHDOG_USEC", None)
+        full_env.update(
+            NOTIFY_SOCKET=self.notify.path,
+            RUNTIME_DIRECTORY=workdir,
+            PYTHONPATH=REPO,
+            PYTHONUNBUFFERED="1",
+        )
+        full_env.update(env or {})
+        self._log = open(self.log_path, "wb")
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(args, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.pid = self.proc.pid
+
+    def wait_ready(self, timeout: float = 10.0) -> dict:
+        m = self.notify.wait_for("READY", "1", timeout)
+        if m is None:
+            raise AssertionError(f"no READY=1 within {timeout} s; log:\n{self.log()}")
+        return m
+
+    def send(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.close()
+
+    def wait(self, timeout: float = 10.0) -> int:
+        return self.proc.wait(timeout)
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def status(self) -> Optional[str]:
+        values = self.notify.values("STATUS")
+        return values[-1] if values else None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._log.close()
+        self.notify.close()
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
