@@ -10,6 +10,7 @@ import tempfile
 import time
 
 import grpc
+import hpack
 import pytest
 
 from atedevd.api import DevicePluginStub, pb
@@ -303,3 +304,42 @@ def test_bad_config_exits_78_naming_the_problem(start_daemon, tmp_path, plugin_d
     assert str(bad) in log and "resource" in log
     assert not os.path.exists(os.path.join(plugin_dir, SOCKET_NAME))
     assert d.notify.values("READY") == []
+
+
+def test_register_dials_kubelet_with_authority_localhost(start_daemon, plugin_dir):
+    """What kubelet's own client sends; grpc would otherwise send the socket path."""
+    os.makedirs(plugin_dir)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.path.join(plugin_dir, "kubelet.sock"))
+    listener.listen(1)
+    listener.settimeout(10)
+    d = start_daemon()
+    d.wait_ready()
+    conn, _ = listener.accept()
+    conn.settimeout(5)
+    conn.sendall(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00" + b"\x00\x00\x00\x04\x01\x00\x00\x00\x00")  # SETTINGS, ACK
+    buf = b""
+    headers = None
+    while headers is None:
+        chunk = conn.recv(65536)
+        assert chunk, "connection closed before a HEADERS frame"
+        buf += chunk
+        pos = 24 if buf.startswith(b"PRI * HTTP/2.0") else 0
+        while len(buf) >= pos + 9:
+            length = int.from_bytes(buf[pos:pos + 3], "big")
+            kind, flags = buf[pos + 3], buf[pos + 4]
+            if len(buf) < pos + 9 + length:
+                break
+            payload = buf[pos + 9:pos + 9 + length]
+            if kind == 0x1:  # HEADERS
+                if flags & 0x8:  # PADDED
+                    payload = payload[1:len(payload) - payload[0]]
+                if flags & 0x20:  # PRIORITY
+                    payload = payload[5:]
+                headers = dict(hpack.Decoder().decode(payload))
+                break
+            pos += 9 + length
+    conn.close()
+    listener.close()
+    assert headers[":authority"] == "localhost"
+    assert headers[":path"] == "/v1beta1.Registration/Register"
