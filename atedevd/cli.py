@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 runtime failure (e.g. another instance holds the lock),
 
 import argparse
 import logging
+import os
 import sys
 from typing import List, Optional
 
@@ -75,4 +76,9 @@ def _run(args, cfg: config.Config) -> int:
         logging.getLogger("atedevd").error("not starting: %s", e)
         return EX_RUNTIME
     overrides = {k: v for k, v in (("device_plugin_dir", args.device_plugin_dir), ("dev_root", args.dev_root), ("log_level", args.log_level)) if v}
-    return Daemon(cfg, args.config or config.DEFAULT_CONFIG_PATH, args.config is not None, overrides).run()
+    code = Daemon(cfg, args.config or config.DEFAULT_CONFIG_PATH, args.config is not None, overrides).run()
+    # Our sockets are gone and systemd has STOPPING=1: exit now. Interpreter
+    # shutdown would join gRPC worker threads, one of which may be stuck
+    # sending to a client that stopped reading.
+    logging.shutdown()
+    os._exit(code)
