@@ -25,7 +25,8 @@ ENV = dict(os.environ, PATH="/usr/sbin:/usr/bin:/sbin:/bin")
 ENV.pop("PYTHONPATH", None)
 ENV.pop("VIRTUAL_ENV", None)
 
-DEB_RUNTIME = {"python3-grpcio", "python3-protobuf", "python3-inotify", "python3-sdnotify", "python3-systemd"}
+# procps: the unit's ExecReload= runs /bin/kill.
+DEB_RUNTIME = {"python3-grpcio", "python3-protobuf", "python3-inotify", "python3-sdnotify", "python3-systemd", "procps"}
 RPM_RUNTIME = {"grpcio", "protobuf", "inotify", "sdnotify", "systemd-python"}
 PACKER = ROOT / "packaging" / "packer"
 
