@@ -1,0 +1,1 @@
+"""atedevd benchmarks: `python -m bench` (what `make bench` runs)."""

@@ -1,0 +1,55 @@
+"""`make bench`: start-up, re-registration, Allocate latency and throughput,
+health latency, the leak soak and idle CPU, as one table.
+
+    python -m bench [--quick] [--only NAME ...]
+
+The daemon runs as a process (as systemd runs it) with the default config:
+one device, 4096 units. The kubelet stand-in runs in this process; Allocate
+load comes from separate client processes. Figures are printed, never
+asserted: this machine is shared and noisy. The exit status is 0 unless a
+benchmark could not run.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+from bench.benches import BENCHES
+
+
+def table(rows) -> str:
+    head = ("benchmark", "figure", "value", "target", "result")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+    out = [line(head), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small counts: a smoke run")
+    p.add_argument("--only", action="append", choices=sorted(BENCHES), metavar="NAME",
+                   help=f"run only this benchmark (repeatable): {', '.join(BENCHES)}")
+    args = p.parse_args(argv)
+    names = args.only or list(BENCHES)
+    rows = []
+    t0 = time.monotonic()
+    for name in names:
+        t = time.monotonic()
+        print(f"running {name}...", file=sys.stderr, flush=True)
+        rows += BENCHES[name](args.quick)
+        print(f"  {name}: {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)
+    import grpc
+
+    print(f"atedevd benchmarks ({'quick' if args.quick else 'full'}; {os.cpu_count()} CPUs; "
+          f"python {sys.version.split()[0]}, grpcio {grpc.__version__}; {time.monotonic() - t0:.0f} s)")
+    print(table(rows))
+    misses = sum(1 for r in rows if r[4] == "MISS")
+    print(f"{misses} of {sum(1 for r in rows if r[4])} targets missed" if misses else "all targets met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""What every benchmark stands on: a temp node (fake dev root, plugin dir), the
+kubelet stand-in in this process with timestamps, atedevd as a process, and
+readings of that process from /proc."""
+
+import os
+import shutil
+import tempfile
+import time
+from typing import Optional
+
+from tests.harness import RESOURCE, SOCKET_NAME, Daemon, fake_dev_root
+from tests.kubelet_standin import Kubelet
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class TimedKubelet(Kubelet):
+    """The stand-in, noting when Register calls arrive and when each client's
+    ListAndWatch delivers its first message (the stream is connected)."""
+
+    def __init__(self, plugin_dir: str, **kwargs):
+        super().__init__(plugin_dir, **kwargs)
+        self.arrivals = []  # monotonic times Register calls arrived
+        self.first_message = {}  # id(client) -> monotonic time of its first ListAndWatch message
+        self.track_health = False
+        self.health = None  # (monotonic time, healthy units) of the newest message
+
+    def Register(self, request, context):
+        now = time.monotonic()
+        with self.cond:
+            self.arrivals.append(now)
+        return super().Register(request, context)
+
+    def write_checkpoint(self) -> None:  # called with the lock held, after every message
+        now = time.monotonic()
+        for c in self.clients.values():
+            if c.connected and id(c) not in self.first_message:
+                self.first_message[id(c)] = now
+        if self.track_health:
+            c = self.clients.get(RESOURCE)
+            if c is not None:
+                self.health = (now, sum(1 for h in c.devices.values() if h == "Healthy"))
+        super().write_checkpoint()
+
+
+class Rig:
+    """A temp node with the kubelet stand-in serving; `start()` runs the daemon."""
+
+    def __init__(self, kubelet: bool = True, kubelet_mode: str = "1.33"):
+        self.root = tempfile.mkdtemp(prefix="atebench-", dir="/tmp")  # short: sun_path
+        self.dev_root = fake_dev_root(os.path.join(self.root, "dev"))
+        self.plugin_dir = os.path.join(self.root, "device-plugins")
+        self.socket = os.path.join(self.plugin_dir, SOCKET_NAME)
+        os.makedirs(self.plugin_dir)
+        self.kubelet: Optional[TimedKubelet] = None
+        self.daemon: Optional[Daemon] = None
+        if kubelet:
+            self.kubelet = TimedKubelet(self.plugin_dir, kubelet=kubelet_mode)
+            self.kubelet.start()
+
+    def start(self, env=None, log_level: str = "info") -> Daemon:
+        self.daemon = Daemon(os.path.join(self.root, "run"), self.plugin_dir, self.dev_root, env=env, log_level=log_level)
+        return self.daemon
+
+    def start_registered(self, env=None) -> Daemon:
+        d = self.start(env=env)
+        d.wait_ready()
+        if not self.kubelet.wait_connected(RESOURCE, timeout=30):
+            raise RuntimeError(f"the daemon did not register; log:\n{d.log()}")
+        return d
+
+    def close(self) -> None:
+        if self.daemon is not None:
+            self.daemon.stop()
+        if self.kubelet is not None:
+            self.kubelet.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# --- readings of a process ------------------------------------------------------------
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of the whole process (all threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # after the command: state(3) ... utime is field 14, stime 15 (1-based) -> 11, 12 here
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def snapshot(pid: int) -> dict:
+    return {"rss": rss_kib(pid), "fds": fds(pid), "threads": threads(pid)}
+
+
+def percentile(values, p: float) -> float:
+    """Nearest-rank percentile (p in 0..100) of a non-empty sequence."""
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    k = max(0, min(len(s) - 1, int(round(p / 100 * len(s) + 0.5)) - 1))
+    return s[k]
