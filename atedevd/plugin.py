@@ -67,6 +67,9 @@ class PluginServer:
         size = len(os.fsencode(self.socket_path))
         if size > MAX_SOCKET_PATH:
             raise OSError(f"the socket path is {size} bytes; unix sockets allow at most {MAX_SOCKET_PATH}")
+        directory = os.path.dirname(self.socket_path)
+        if not os.access(directory, os.W_OK):  # e.g. EROFS; grpc core would log a stack of errors per try
+            raise OSError("cannot bind the socket: the directory is not writable")
         server = grpc.server(
             self._executor,
             handlers=[device_plugin_handler(self)],
@@ -77,7 +80,6 @@ class PluginServer:
         except RuntimeError:  # newer grpcio raises where older returns 0
             port = 0
         if port == 0:
-            directory = os.path.dirname(self.socket_path)
             why = "the directory is not writable" if not os.access(directory, os.W_OK) else "bind failed"
             raise OSError(f"cannot bind the socket: {why}")
         server.start()
