@@ -9,6 +9,7 @@ reconcile pass that compares what should be served with what is.
 import logging
 import os
 import queue
+import re
 import select
 import signal
 import time
@@ -73,6 +74,8 @@ class Daemon:
         self.reload_error: Optional[str] = None
         self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._stopping = False
+        self.exit_code = 0
+        self._plugin_dir_was_mount = False  # under systemd, ReadWritePaths= binds it
         self._executor = futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="grpc")
 
     # --- life cycle -----------------------------------------------------------
@@ -93,7 +96,7 @@ class Daemon:
             self._loop()
         finally:
             self._shutdown()
-        return 0
+        return self.exit_code
 
     def _loop(self) -> None:
         poller = select.poll()
@@ -234,6 +237,11 @@ class Daemon:
         try:
             server.start()
         except OSError as e:
+            if self._plugin_dir_replaced():
+                event(logging.ERROR, "plugin-dir-replaced", f"{self.cfg.device_plugin_dir} was replaced while atedevd ran and is read-only in its view (the sandbox bound the old one); exiting so that systemd restarts atedevd with a fresh view", socket=path)
+                self._stopping = True
+                self.exit_code = 1
+                return
             error = f"{r.name}: cannot serve on {path}: {e}"
             if error != r.serve_error:  # retried on every wake-up; said once
                 event(logging.ERROR, "serve-failed", error, resource=r.name, socket=path)
@@ -242,8 +250,15 @@ class Daemon:
             r.state = "absent"
             return
         r.serve_error = None
+        self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
         event(INFO if r.registrations == 0 else DEBUG, "serving", f"{r.name}: serving {r.device.count} units of {r.device.path} on {path}", resource=r.name, device=r.device.path, socket=path)
         self._register(r)
+
+    def _plugin_dir_replaced(self) -> bool:
+        """Our sandbox's writable bind of the plugin directory is gone (kubelet's
+        directory was deleted and made anew) and what is there now is read-only to us."""
+        path = self.cfg.device_plugin_dir
+        return self._plugin_dir_was_mount and not _is_mount_point(path) and not os.access(path, os.W_OK)
 
     def _lose_socket(self, r: Resource, dir_ok: bool) -> None:
         path = r.server.socket_path
@@ -406,6 +421,18 @@ class Daemon:
             at, took = r.last_reregistration
             text += f", re-registered {time.strftime('%H:%M:%S', time.localtime(at))} in {took * 1000:.0f} ms"
         return text
+
+
+def _is_mount_point(path: str) -> bool:
+    """From /proc/self/mountinfo: a bind mount on the same filesystem is invisible to os.path.ismount."""
+    target = os.fsencode(os.path.abspath(path))
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            mount_points = [line.split(b" ")[4] for line in f]
+    except (OSError, IndexError):
+        return False
+    unescape = lambda m: bytes([int(m.group(1), 8)])  # noqa: E731 - "\040" is a space
+    return any(re.sub(rb"\\([0-7]{3})", unescape, mp) == target for mp in mount_points)
 
 
 def _pipe() -> Tuple[int, int]:

@@ -63,18 +63,32 @@ class Watcher:
 
     def rearm(self) -> None:
         """Move each watch to the deepest existing directory of its wanted path."""
-        targets = {_deepest_existing(d) for d in self._wanted}
+        armed = {self._arm(d) for d in self._wanted}
         for path in list(self._by_path):
-            if path not in targets or not os.path.isdir(path):
+            if path not in armed:
                 self._drop(path)
-        for path in targets:
-            if path not in self._by_path:
-                try:
-                    wd = inotify.calls.inotify_add_watch(self._fd, path.encode(), MASK)
-                except inotify.calls.InotifyError:
-                    continue  # vanished meanwhile; the parent's event re-arms us
-                self._by_path[path] = wd
-                self._by_wd[wd] = path
+
+    def _arm(self, wanted: str) -> str:
+        """Watch the deepest existing directory on the way to `wanted`; returns it.
+
+        A directory can vanish between the check and the watch (a recursive
+        delete): then its parent is watched instead, so no path goes unwatched.
+        """
+        path = _deepest_existing(wanted)
+        while True:
+            if path in self._by_path:
+                return path
+            try:
+                wd = inotify.calls.inotify_add_watch(self._fd, path.encode(), MASK)
+            except inotify.calls.InotifyError:
+                parent = os.path.dirname(path)
+                if parent == path:
+                    raise
+                path = parent
+                continue
+            self._by_path[path] = wd
+            self._by_wd[wd] = path
+            return path
 
     def watched(self) -> List[str]:
         return sorted(self._by_path)
