@@ -248,9 +248,12 @@ class Daemon:
             r.serve_error = error
             r.server = None
             r.state = "absent"
+            # Retry on a timer too: a directory made writable again (a remount) raises no event.
+            r.retry_at = time.monotonic() + r.backoff.next()
             return
         r.serve_error = None
         self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
+        r.backoff.reset()
         event(INFO if r.registrations == 0 else DEBUG, "serving", f"{r.name}: serving {r.device.count} units of {r.device.path} on {path}", resource=r.name, device=r.device.path, socket=path)
         self._register(r)
 
