@@ -5,6 +5,7 @@ one; they never decide anything. What the control loop must know (a stream
 that kubelet ended) is handed to it through `on_stream_end`.
 """
 
+import itertools
 import logging
 import os
 import threading
@@ -26,6 +27,9 @@ MAX_STREAMS = 16
 MAX_SOCKET_PATH = 107
 # Long lists of bad IDs are named only this far in an error.
 _NAMED_IDS = 3
+# Generations are unique across servers: a stream of a stopped server that ends late
+# must never match the registration made on its successor.
+_generations = itertools.count(1)
 
 
 class _Stream:
@@ -113,7 +117,7 @@ class PluginServer:
     def new_generation(self) -> int:
         """Streams opened from now on belong to the registration about to be made."""
         with self._cond:
-            self._generation += 1
+            self._generation = next(_generations)
             return self._generation
 
     def end_streams(self, timeout: float = 0.2) -> None:
