@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import inotify.constants as ic
 
 from atedevd import config as config_mod
-from atedevd import devices, instance
+from atedevd import devices
 from atedevd.config import Config, Device
 from atedevd.plugin import PluginServer
 from atedevd.registration import KUBELET_SOCKET, Attempt, Backoff
