@@ -86,12 +86,13 @@ class Rig:
 # --- readings of a process ------------------------------------------------------------
 
 
-def rss_kib(pid: int) -> int:
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """VmRSS, or RssAnon (heap, stacks) / RssFile (mapped code and files), in KiB."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
+    raise RuntimeError(f"no {field}")
 
 
 def fds(pid: int) -> int:
@@ -111,7 +112,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def snapshot(pid: int) -> dict:
-    return {"rss": rss_kib(pid), "fds": fds(pid), "threads": threads(pid)}
+    return {"rss": rss_kib(pid), "anon": rss_kib(pid, "RssAnon"), "file": rss_kib(pid, "RssFile"), "fds": fds(pid), "threads": threads(pid)}
 
 
 def percentile(values, p: float) -> float:
