@@ -272,7 +272,6 @@ def test_sigstop_while_kubelet_restarts_then_sigcont(daemon, kubelet, plugin_dir
     finally:
         daemon.send(signal.SIGCONT)
     assert_recovered(kubelet, daemon, plugin_dir, registrations=2)
-    assert "kubelet ended our ListAndWatch stream" not in daemon.log()  # the old server's stream, ending late, is not ours
     # and stopped with nothing happening: still registered after, with no new registration
     time.sleep(0.5)
     before = kubelet.registration_count(RESOURCE)
