@@ -13,7 +13,6 @@ import re
 import select
 import signal
 import time
-from concurrent import futures
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
@@ -22,7 +21,7 @@ import inotify.constants as ic
 from atedevd import config as config_mod
 from atedevd import devices
 from atedevd.config import Config, Device
-from atedevd.plugin import PluginServer
+from atedevd.plugin import PluginServer, Workers
 from atedevd.registration import KUBELET_SOCKET, Attempt, Backoff
 from atedevd.systemd import Notifier, event, set_level
 from atedevd.watch import Watcher
@@ -31,9 +30,6 @@ log = logging.getLogger(__name__)
 
 # A registration that held this long is stable: the next loss starts the backoff afresh.
 STABLE_AFTER_S = 10.0
-# Worker threads shared by every plugin server: streams hold one each.
-WORKERS = 32
-
 WARNING, INFO, DEBUG = logging.WARNING, logging.INFO, logging.DEBUG
 
 
@@ -76,7 +72,7 @@ class Daemon:
         self._stopping = False
         self.exit_code = 0
         self._plugin_dir_was_mount = False  # under systemd, ReadWritePaths= binds it
-        self._executor = futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="grpc")
+        self._workers = Workers()
 
     # --- life cycle -----------------------------------------------------------
 
@@ -129,7 +125,7 @@ class Daemon:
         event(INFO, "stopping", "stopping: removing our sockets")
         for r in self.resources.values():
             self._stop_serving(r)
-        self._executor.shutdown(wait=False)
+        self._workers.executor.shutdown(wait=False)
         self._watcher.close()
 
     # --- inputs ---------------------------------------------------------------
@@ -176,8 +172,11 @@ class Daemon:
                 if r.retry_at is not None:
                     r.retry_at = time.monotonic()
         if kubelet_back:
+            since = time.monotonic()
             self._reconcile()  # our sockets first: kubelet deleted them before serving again
             for r in self.resources.values():
+                if r.attempt is not None and r.attempt.started >= since:
+                    continue  # re-served just now, and registering with this kubelet already
                 if r.server is not None:
                     if r.state == "registered":
                         event(WARNING, "kubelet-restarted", f"{r.name}: kubelet is serving anew; registering again", resource=r.name)
@@ -231,7 +230,7 @@ class Daemon:
 
     def _start_serving(self, r: Resource) -> None:
         path = os.path.join(self.cfg.device_plugin_dir, devices.socket_name(r.name))
-        server = PluginServer(r.device, path, self._executor, self._stream_callback(r))
+        server = PluginServer(r.device, path, self._workers, self._stream_callback(r))
         r.server = server
         self._publish(r)
         try:
@@ -282,8 +281,8 @@ class Daemon:
         r.retry_at = None
 
     def _stream_callback(self, r: Resource):
-        def on_end(generation: int, by_us: bool) -> None:
-            self._post(("stream-ended", r.name, generation, by_us))
+        def on_end(generation: int) -> None:
+            self._post(("stream-ended", r.name, generation))
 
         return on_end
 
@@ -341,9 +340,10 @@ class Daemon:
         r.last_error = reason
         r.retry_at = time.monotonic() + r.backoff.next() if retry else None
 
-    def _on_stream_end(self, name: str, generation: int, by_us: bool) -> None:
+    def _on_stream_end(self, name: str, generation: int) -> None:
+        """kubelet ended the stream it opened for our current registration."""
         r = self.resources.get(name)
-        if r is None or by_us or r.server is None or generation != r.generation:
+        if r is None or r.server is None or generation != r.generation:
             return
         if r.state not in ("registered", "registering"):
             return

@@ -20,9 +20,11 @@ from atedevd.devices import Snapshot
 
 log = logging.getLogger(__name__)
 
-# kubelet holds one stream per registration, two while it re-registers; more
-# is a misbehaving client, and each stream holds a worker thread.
-MAX_STREAMS = 16
+# Each ListAndWatch stream holds a worker thread for its whole life. kubelet
+# holds one per resource (two while it re-registers); the budget is shared by
+# every resource and leaves workers free for Allocate whatever streams do.
+WORKERS = 16
+MAX_STREAMS = 12
 # sun_path is 108 bytes with the terminating NUL.
 MAX_SOCKET_PATH = 107
 # Long lists of bad IDs are named only this far in an error.
@@ -33,11 +35,20 @@ _generations = itertools.count(1)
 
 
 class _Stream:
-    __slots__ = ("generation", "ended_by_us")
+    __slots__ = ("generation", "primary", "ended_by_us")
 
-    def __init__(self, generation: int):
+    def __init__(self, generation: int, primary: bool):
         self.generation = generation
+        self.primary = primary  # the first stream of its registration: the one kubelet opens
         self.ended_by_us = False
+
+
+class Workers:
+    """The worker threads every plugin server shares, and the streams' share of them."""
+
+    def __init__(self) -> None:
+        self.executor = futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="grpc")
+        self.stream_slots = threading.BoundedSemaphore(MAX_STREAMS)
 
 
 class PluginServer:
@@ -47,17 +58,18 @@ class PluginServer:
         self,
         device: Device,
         socket_path: str,
-        executor: futures.ThreadPoolExecutor,
-        on_stream_end: Callable[[int, bool], None],
+        workers: Workers,
+        on_stream_end: Callable[[int], None],
     ):
         self.device = device
         self.socket_path = socket_path
-        self._executor = executor
+        self._workers = workers
         self._on_stream_end = on_stream_end
         self._cond = threading.Condition()
         self._snapshot: Optional[Snapshot] = None
         self._streams: Set[_Stream] = set()
         self._generation = 0
+        self._primary_taken = 0  # the generation whose kubelet stream has opened
         self._server: Optional[grpc.Server] = None
         self.inode: Optional[int] = None
         self._spec = pb.DeviceSpec(
@@ -75,7 +87,7 @@ class PluginServer:
         if not os.access(directory, os.W_OK):  # e.g. EROFS; grpc core would log a stack of errors per try
             raise OSError("cannot bind the socket: the directory is not writable")
         server = grpc.server(
-            self._executor,
+            self._workers.executor,
             handlers=[device_plugin_handler(self)],
             options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)],
         )
@@ -140,13 +152,14 @@ class PluginServer:
         return pb.DevicePluginOptions()
 
     def ListAndWatch(self, request, context):
+        if not self._workers.stream_slots.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.device.resource}: already {MAX_STREAMS} ListAndWatch streams open",
+            )
         with self._cond:
-            if len(self._streams) >= MAX_STREAMS:
-                context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{self.device.resource}: already {MAX_STREAMS} ListAndWatch streams open",
-                )
-            stream = _Stream(self._generation)
+            stream = _Stream(self._generation, primary=self._primary_taken != self._generation)
+            self._primary_taken = self._generation
             self._streams.add(stream)
         context.add_callback(self._wake)
         sent = None
@@ -166,7 +179,9 @@ class PluginServer:
             with self._cond:
                 self._streams.discard(stream)
                 self._cond.notify_all()
-            self._on_stream_end(stream.generation, stream.ended_by_us)
+            self._workers.stream_slots.release()
+            if stream.primary and not stream.ended_by_us:
+                self._on_stream_end(stream.generation)
 
     def Allocate(self, request, context):
         snap = self._snapshot

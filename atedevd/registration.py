@@ -5,6 +5,7 @@ outcome through a callback, so a kubelet that hangs never blocks the loop.
 """
 
 import os
+import time
 from typing import Callable, Optional
 
 import grpc
@@ -34,6 +35,7 @@ class Attempt:
         on_done: Callable[["Attempt", Optional[str]], None],
     ):
         self.resource = resource
+        self.started = time.monotonic()
         self._on_done = on_done
         self._channel = grpc.insecure_channel(
             "unix:" + os.path.join(plugin_dir, KUBELET_SOCKET), options=_CHANNEL_OPTIONS

@@ -272,6 +272,8 @@ def test_sigstop_while_kubelet_restarts_then_sigcont(daemon, kubelet, plugin_dir
     finally:
         daemon.send(signal.SIGCONT)
     assert_recovered(kubelet, daemon, plugin_dir, registrations=2)
+    time.sleep(0.5)
+    assert kubelet.registration_count(RESOURCE) == 2, daemon.log()  # one restart, one registration
     # and stopped with nothing happening: still registered after, with no new registration
     time.sleep(0.5)
     before = kubelet.registration_count(RESOURCE)
