@@ -8,7 +8,7 @@ import tempfile
 import time
 from typing import Optional
 
-from tests.harness import RESOURCE, SOCKET_NAME, Daemon, fake_dev_root
+from tests.harness import REPO, RESOURCE, SOCKET_NAME, Daemon, fake_dev_root
 from tests.kubelet_standin import Kubelet
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -43,6 +43,18 @@ class TimedKubelet(Kubelet):
         super().write_checkpoint()
 
 
+def unit_environment() -> dict:
+    """The Environment= settings of systemd/atedevd.service."""
+    env = {}
+    with open(os.path.join(REPO, "systemd", "atedevd.service")) as f:
+        for line in f:
+            if line.startswith("Environment="):
+                for item in line.split("=", 1)[1].split():
+                    key, _, value = item.partition("=")
+                    env[key] = value
+    return env
+
+
 class Rig:
     """A temp node with the kubelet stand-in serving; `start()` runs the daemon."""
 
@@ -59,6 +71,7 @@ class Rig:
             self.kubelet.start()
 
     def start(self, env=None, log_level: str = "info") -> Daemon:
+        env = {**unit_environment(), **(env or {})}  # measured as the unit runs it
         self.daemon = Daemon(os.path.join(self.root, "run"), self.plugin_dir, self.dev_root, env=env, log_level=log_level)
         return self.daemon
 
