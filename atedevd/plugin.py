@@ -96,14 +96,14 @@ class PluginServer:
         except RuntimeError:  # newer grpcio raises where older returns 0
             port = 0
         if port == 0:
-            why = "the directory is not writable" if not os.access(directory, os.W_OK) else "bind failed"
-            raise OSError(f"cannot bind the socket: {why}")
+            raise OSError("cannot bind the socket")
         server.start()
         self._server = server
         self.inode = os.lstat(self.socket_path).st_ino
 
     def stop(self) -> None:
-        """Stop serving, end every stream, and remove our socket (only if it is still ours)."""
+        """Stop serving, end every stream, and remove our socket if it is still there
+        (grpc unlinks the path itself on stop; this covers versions that do not)."""
         self.end_streams()
         if self._server is not None:
             self._server.stop(grace=None)

@@ -47,8 +47,10 @@ def startup(quick: bool) -> List[Row]:
             with rig.kubelet.cond:
                 registered.append(rig.kubelet.registrations[-1]["at"] - d.started_at)
             t0 = time.monotonic()
-            code = d.stop(signal.SIGTERM, timeout=30)
-            stop.append(time.monotonic() - t0)
+            d.send(signal.SIGTERM)
+            code = d.wait(30)
+            stop.append(time.monotonic() - t0)  # to the exit; not the harness's own teardown
+            d.close()
             if code != 0:
                 raise RuntimeError(f"exit {code}: {d.log()}")
             rig.daemon = None
