@@ -49,6 +49,12 @@ class Workers:
     def __init__(self) -> None:
         self.executor = futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="grpc")
         self.stream_slots = threading.BoundedSemaphore(MAX_STREAMS)
+        # Start every worker now (the pool would start them on demand), so the
+        # thread count and resident memory seen at start are what the node pays.
+        everyone = threading.Barrier(WORKERS + 1)
+        for _ in range(WORKERS):
+            self.executor.submit(everyone.wait)
+        everyone.wait()
 
 
 class PluginServer:
