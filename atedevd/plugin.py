@@ -147,11 +147,6 @@ class PluginServer:
             self._cond.notify_all()
             self._cond.wait_for(lambda: not self._streams, timeout)
 
-    @property
-    def stream_count(self) -> int:
-        with self._cond:
-            return len(self._streams)
-
     # --- gRPC side (worker threads) ------------------------------------------
 
     def GetDevicePluginOptions(self, request, context):

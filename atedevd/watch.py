@@ -34,10 +34,6 @@ class Event(NamedTuple):
     name: str  # the entry's name, "" for events on the directory itself
     mask: int
 
-    @property
-    def path(self) -> str:
-        return os.path.join(self.directory, self.name) if self.name else self.directory
-
     def is_(self, flags: int) -> bool:
         return bool(self.mask & flags)
 
@@ -89,9 +85,6 @@ class Watcher:
             self._by_path[path] = wd
             self._by_wd[wd] = path
             return path
-
-    def watched(self) -> List[str]:
-        return sorted(self._by_path)
 
     def read(self) -> List[Event]:
         """Every event queued now (never blocks); re-arms when directories come or go."""
