@@ -18,9 +18,8 @@ from typing import Dict, List, Optional, Tuple
 
 import inotify.constants as ic
 
-from atedevd import config as config_mod
 from atedevd import devices
-from atedevd.config import Config, Device
+from atedevd.config import Config, ConfigError, Device, load
 from atedevd.plugin import PluginServer, Workers
 from atedevd.registration import KUBELET_SOCKET, Attempt, Backoff
 from atedevd.systemd import Notifier, event, set_level
@@ -387,8 +386,8 @@ class Daemon:
     def _reload(self) -> None:
         self.notifier.reloading()
         try:
-            cfg = config_mod.load(self.config_path, required=self.config_required, overrides=self.overrides)
-        except config_mod.ConfigError as e:
+            cfg = load(self.config_path, required=self.config_required, overrides=self.overrides)
+        except ConfigError as e:
             self.reload_error = str(e).splitlines()[0]
             event(logging.ERROR, "reload-failed", f"reload failed; keeping the running configuration:\n{e}")
         else:
