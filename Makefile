@@ -23,9 +23,10 @@ test-latest:
 bench: deps
 	$(PYTHON) -m bench
 
-# Regenerate the v1beta1 bindings with protoc 3.21 (Debian's protobuf-compiler or grpcio-tools==1.51.3).
+# Regenerate the v1beta1 and pod-resources v1 bindings with protoc 3.21 (Debian's protobuf-compiler or grpcio-tools==1.51.3).
+PROTOS := deviceplugin.proto podresources.proto
 proto:
-	cd atedevd/api && protoc --python_out=. deviceplugin.proto
+	cd atedevd/api && protoc --python_out=. $(PROTOS)
 
 deb:
 	DEB_REVISION='$(DEB_REVISION)' packaging/build-deb

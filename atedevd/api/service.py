@@ -1,4 +1,4 @@
-"""gRPC wiring for the two v1beta1 services, from one table of methods.
+"""gRPC wiring for the v1beta1 services and pod-resources v1, from one table of methods.
 
 Servers get a generic handler built from any object with the method names;
 clients get a stub whose attributes are the channel's multi-callables.
@@ -9,6 +9,7 @@ from typing import Dict, NamedTuple
 import grpc
 
 from atedevd.api import deviceplugin_pb2 as pb
+from atedevd.api import podresources_pb2 as prpb
 
 API_VERSION = "v1beta1"
 
@@ -21,6 +22,7 @@ class Method(NamedTuple):
 
 REGISTRATION = "v1beta1.Registration"
 DEVICE_PLUGIN = "v1beta1.DevicePlugin"
+POD_RESOURCES = "v1.PodResourcesLister"
 
 METHODS: Dict[str, Dict[str, Method]] = {
     REGISTRATION: {
@@ -34,6 +36,12 @@ METHODS: Dict[str, Dict[str, Method]] = {
         ),
         "Allocate": Method(pb.AllocateRequest, pb.AllocateResponse),
         "PreStartContainer": Method(pb.PreStartContainerRequest, pb.PreStartContainerResponse),
+    },
+    POD_RESOURCES: {
+        "List": Method(prpb.ListPodResourcesRequest, prpb.ListPodResourcesResponse),
+        "GetAllocatableResources": Method(
+            prpb.AllocatableResourcesRequest, prpb.AllocatableResourcesResponse
+        ),
     },
 }
 
@@ -64,6 +72,12 @@ def registration_handler(servicer: object) -> grpc.GenericRpcHandler:
     return _handler(REGISTRATION, servicer)
 
 
+def pod_resources_handler(servicer: object) -> grpc.GenericRpcHandler:
+    """Serve `servicer.List` and `servicer.GetAllocatableResources` as v1.PodResourcesLister
+    (the kubelet side; here, the tests' kubelet stand-in)."""
+    return _handler(POD_RESOURCES, servicer)
+
+
 class _Stub:
     _service = ""
 
@@ -91,3 +105,11 @@ class DevicePluginStub(_Stub):
     """Client of a device plugin (what kubelet uses; here, tests and benchmarks)."""
 
     _service = DEVICE_PLUGIN
+
+
+class PodResourcesStub(_Stub):
+    """Client of kubelet's pod-resources service (v1.PodResourcesLister):
+    `GetAllocatableResources(prpb.AllocatableResourcesRequest())` and
+    `List(prpb.ListPodResourcesRequest())`."""
+
+    _service = POD_RESOURCES
