@@ -52,6 +52,9 @@ class Device:
 
 
 DEFAULT_DEVICES = (Device("ate.dev/kvm", "/dev/kvm"),)
+# The most devices one daemon serves: each holds up to three ListAndWatch
+# threads of the worker pool, sized for this many at start-up.
+MAX_DEVICES = 32
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,10 @@ def _build_devices(value, lines: _Lines, report: _Report) -> Tuple[Device, ...]:
         return ()
     if not value:
         report.add("device: empty array; remove it to keep the default (/dev/kvm) or add [[device]] tables",
+                   lines.of("", 0, "device"))
+        return ()
+    if len(value) > MAX_DEVICES:
+        report.add(f"device: {len(value)} [[device]] tables; atedevd serves at most {MAX_DEVICES}",
                    lines.of("", 0, "device"))
         return ()
     devices: List[Device] = []

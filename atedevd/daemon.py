@@ -1,9 +1,10 @@
-"""The control loop: the single owner of state, reacting to events.
+"""The control loop: the single owner of state, dispatching events.
 
 Inputs are inotify events (plugin directory and device directories),
-signals, timers (retry backoff, watchdog) and messages posted by gRPC threads
-(a registration finished, kubelet ended a stream). Each wake-up ends with a
-reconcile pass that compares what should be served with what is.
+signals, timers and callables posted by gRPC threads (a call finished, a
+stream opened or ended). Registration decisions live in `registration.py`;
+this loop tracks device presence and the plugin directory, and tells each
+resource's `Registration` what happened.
 """
 
 import logging
@@ -13,23 +14,24 @@ import re
 import select
 import signal
 import time
-from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional, Tuple
 
 import inotify.constants as ic
 
-from atedevd import devices
-from atedevd.config import Config, ConfigError, Device, load
-from atedevd.plugin import PluginServer, Workers
-from atedevd.registration import KUBELET_SOCKET, Attempt, Backoff
+from atedevd import devices, sockets
+from atedevd.config import MAX_DEVICES, Config, ConfigError, Device, load
+from atedevd.kubelet import KUBELET_SOCKET, KubeletView
+from atedevd.plugin import Workers
+from atedevd.registration import Context, Registration, State
 from atedevd.systemd import Notifier, event, set_level
 from atedevd.watch import Watcher
 
 log = logging.getLogger(__name__)
 
-# A registration that held this long is stable: the next loss starts the backoff afresh.
-STABLE_AFTER_S = 10.0
 WARNING, INFO, DEBUG = logging.WARNING, logging.INFO, logging.DEBUG
+# Events after which some may be missing: look at kubelet.sock itself.
+_LOST_EVENTS = ic.IN_Q_OVERFLOW | ic.IN_DELETE_SELF | ic.IN_MOVE_SELF | ic.IN_IGNORED
 
 
 @dataclass
@@ -37,21 +39,10 @@ class Resource:
     """The loop's record of one configured device."""
 
     device: Device
-    server: Optional[PluginServer] = None
+    reg: Registration
     advertised: bool = False  # once served, kept served (Unhealthy while the node is missing)
     present: Optional[bool] = None
     version: int = 0
-    state: str = "absent"  # absent | waiting | registering | registered
-    attempt: Optional[Attempt] = None
-    generation: int = 0
-    retry_at: Optional[float] = None
-    backoff: Backoff = field(default_factory=Backoff)
-    registered_at: Optional[float] = None
-    lost_at: Optional[float] = None
-    last_error: Optional[str] = None
-    serve_error: Optional[str] = None
-    last_reregistration: Optional[Tuple[float, float]] = None  # wall time, seconds taken
-    registrations: int = 0
 
     @property
     def name(self) -> str:
@@ -67,11 +58,13 @@ class Daemon:
         self.notifier = Notifier()
         self.resources: Dict[str, Resource] = {}
         self.reload_error: Optional[str] = None
-        self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._stopping = False
         self.exit_code = 0
         self._plugin_dir_was_mount = False  # under systemd, ReadWritePaths= binds it
-        self._workers = Workers()
+        self._workers = Workers(MAX_DEVICES)
+        self.kubelet = KubeletView(cfg.device_plugin_dir)
+        self._ctx = Context(cfg.device_plugin_dir, sockets.new_run_id(), self._workers, self.kubelet, self._post, self._serve_failed)
 
     # --- life cycle -----------------------------------------------------------
 
@@ -84,6 +77,9 @@ class Daemon:
         signal.set_wakeup_fd(sig_w)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)  # the loop reads the number from the wakeup fd
+        for path in sockets.remove_leftovers(self.cfg.device_plugin_dir, (d.resource for d in self.cfg.devices)):
+            event(INFO, "leftover-removed", f"removed {path}, left behind by an earlier run", socket=path)
+        self.kubelet.refresh(created=False, events_lost=True)
         self._apply(self.cfg, first=True)
         self.notifier.ready(self._status())
         event(INFO, "started", f"atedevd serving {self._summary()} in {self.cfg.device_plugin_dir}")
@@ -98,12 +94,12 @@ class Daemon:
         for fd in (self._watcher.fileno(), self._wake_r, self._sig_r):
             poller.register(fd, select.POLLIN)
         next_watchdog = time.monotonic()
-        while not self._stopping:
+        while not (self._stopping and all(r.reg.stopped for r in self.resources.values())):
             now = time.monotonic()
             if self.notifier.watchdog_interval and now >= next_watchdog:
                 self.notifier.watchdog()
                 next_watchdog = now + self.notifier.watchdog_interval
-            deadlines = [r.retry_at for r in self.resources.values() if r.retry_at is not None]
+            deadlines = [r.reg.deadline for r in self.resources.values() if r.reg.deadline is not None]
             if self.notifier.watchdog_interval:
                 deadlines.append(next_watchdog)
             timeout = None if not deadlines else max(0, int((min(deadlines) - now) * 1000) + 1)
@@ -115,23 +111,35 @@ class Daemon:
                     self._drain_inbox()
                 else:
                     self._on_fs_events(self._watcher.read())
-            self._on_timers()
+            now = time.monotonic()
+            for r in list(self.resources.values()):
+                if r.reg.deadline is not None and r.reg.deadline <= now:
+                    r.reg.on_timer(now)
             self._reconcile()
             self.notifier.status(self._status())
 
     def _shutdown(self) -> None:
-        self.notifier.stopping()
         event(INFO, "stopping", "stopping: removing our sockets")
         for r in self.resources.values():
-            self._stop_serving(r)
+            r.reg.close()
         self._workers.executor.shutdown(wait=False)
         self._watcher.close()
 
+    def _begin_stop(self) -> None:
+        """End our streams; the loop runs on until kubelet has let go of them (bounded)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self.notifier.stopping()
+        now = time.monotonic()
+        for r in self.resources.values():
+            r.reg.begin_stop(now)
+
     # --- inputs ---------------------------------------------------------------
 
-    def _post(self, message: tuple) -> None:
-        """Called from gRPC threads: hand a message to the loop and wake it."""
-        self._inbox.put(message)
+    def _post(self, call: Callable[[], None]) -> None:
+        """Called from gRPC threads: hand a callable to the loop and wake it."""
+        self._inbox.put(call)
         try:
             os.write(self._wake_w, b"x")
         except BlockingIOError:
@@ -140,70 +148,58 @@ class Daemon:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                message = self._inbox.get_nowait()
+                call = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            kind, *args = message
-            if kind == "registered":
-                self._on_register_done(*args)
-            elif kind == "stream-ended":
-                self._on_stream_end(*args)
+            call()
 
     def _on_signals(self, signums: bytes) -> None:
         for signum in signums:
             if signum in (signal.SIGTERM, signal.SIGINT):
-                self._stopping = True
+                self._begin_stop()
             elif signum == signal.SIGHUP and not self._stopping:
                 self._reload()
 
     def _on_fs_events(self, events) -> None:
         plugin_dir = os.path.normpath(self.cfg.device_plugin_dir)
-        ours = {devices.socket_name(n) for n in self.resources}
-        kubelet_back = False
+        ours = tuple(sockets.prefix(n) + "." for n in self.resources) + (sockets.STANDBY_DIR,)
+        created = lost = news = False
         for ev in events:
-            if ev.is_(ic.IN_Q_OVERFLOW):
-                kubelet_back = True  # events were lost: assume the worst
-            if ev.directory != plugin_dir or ev.name in ours:
+            lost |= ev.is_(_LOST_EVENTS) or (ev.is_(ic.IN_ISDIR) and ev.is_(ic.IN_CREATE | ic.IN_MOVED_TO))
+            if ev.directory != plugin_dir or ev.name.startswith(ours):
                 continue
-            if ev.name == KUBELET_SOCKET and ev.is_(ic.IN_CREATE | ic.IN_MOVED_TO):
-                kubelet_back = True
-            for r in self.resources.values():  # any news from kubelet's side cuts a wait short
-                if r.retry_at is not None:
-                    r.retry_at = time.monotonic()
-        if kubelet_back:
-            since = time.monotonic()
-            self._reconcile()  # our sockets first: kubelet deleted them before serving again
-            for r in self.resources.values():
-                if r.attempt is not None and r.attempt.started >= since:
-                    continue  # re-served just now, and registering with this kubelet already
-                if r.server is not None:
-                    if r.state == "registered":
-                        event(WARNING, "kubelet-restarted", f"{r.name}: kubelet is serving anew; registering again", resource=r.name)
-                        r.lost_at = time.monotonic()
-                    r.backoff.reset()  # kubelet may refuse for a moment between bind and listen
-                    self._register(r)
-
-    def _on_timers(self) -> None:
+            news = True
+            created |= ev.name == KUBELET_SOCKET and ev.is_(ic.IN_CREATE | ic.IN_MOVED_TO)
+        if self._stopping:
+            return
         now = time.monotonic()
-        for r in self.resources.values():
-            if r.retry_at is not None and r.retry_at <= now and r.attempt is None:
-                r.retry_at = None
-                if r.server is not None:
-                    self._register(r)
+        if self.kubelet.refresh(created, events_lost=lost):
+            for r in self.resources.values():
+                r.reg.kubelet_started(now)
+        if news or lost:  # any news from kubelet's side cuts a retry wait short
+            for r in self.resources.values():
+                r.reg.nudge(now)
 
     # --- serving --------------------------------------------------------------
 
     def _reconcile(self) -> None:
         """Make what is served match what exists: devices, the plugin directory, our sockets."""
+        if self._stopping:
+            return
+        now = time.monotonic()
         dir_ok = os.path.isdir(self.cfg.device_plugin_dir)
         for r in self.resources.values():
-            self._check_presence(r)
-            if r.server is not None and not (dir_ok and r.server.socket_is_ours()):
-                self._lose_socket(r, dir_ok)
-            if r.server is None and r.advertised and dir_ok:
-                self._start_serving(r)
+            self._check_presence(r, now)
+            if not dir_ok:
+                r.reg.unserve(now, "the plugin directory is gone")
+            elif r.advertised:
+                unserved = r.reg.state is State.UNSERVED
+                r.reg.serve(now)
+                if unserved and r.reg.state is not State.UNSERVED:
+                    self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
+                r.reg.check_socket(now)
 
-    def _check_presence(self, r: Resource) -> None:
+    def _check_presence(self, r: Resource, now: float) -> None:
         found = devices.presence(r.device, self.cfg.dev_root)
         present = found == "present"
         if present == r.present:
@@ -220,40 +216,21 @@ class Daemon:
             event(level, "device-missing", f"{r.name}: {r.device.path} is missing ({where}); {'units are Unhealthy' if r.advertised else 'not advertised until it appears'}", resource=r.name, device=r.device.path)
         else:
             event(WARNING, "device-missing", f"{r.name}: {where} is {found}; treating it as missing", resource=r.name, device=r.device.path)
-        if r.server is not None:
-            self._publish(r)
+        if r.reg is not None:  # None while the resource is being added
+            r.reg.publish(self._snapshot(r), now)
 
-    def _publish(self, r: Resource) -> None:
+    def _snapshot(self, r: Resource) -> devices.Snapshot:
         r.version += 1
-        r.server.publish(devices.Snapshot.build(r.device, bool(r.present), r.version))
+        return devices.Snapshot.build(r.device, bool(r.present), r.version)
 
-    def _start_serving(self, r: Resource) -> None:
-        path = os.path.join(self.cfg.device_plugin_dir, devices.socket_name(r.name))
-        server = PluginServer(r.device, path, self._workers, self._stream_callback(r))
-        r.server = server
-        self._publish(r)
-        try:
-            server.start()
-        except OSError as e:
-            if self._plugin_dir_replaced():
-                event(logging.ERROR, "plugin-dir-replaced", f"{self.cfg.device_plugin_dir} was replaced while atedevd ran and is read-only in its view (the sandbox bound the old one); exiting so that systemd restarts atedevd with a fresh view", socket=path)
-                self._stopping = True
-                self.exit_code = 1
-                return
-            error = f"{r.name}: cannot serve on {path}: {e}"
-            if error != r.serve_error:  # retried on every wake-up; said once
-                event(logging.ERROR, "serve-failed", error, resource=r.name, socket=path)
-            r.serve_error = error
-            r.server = None
-            r.state = "absent"
-            # Retry on a timer too: a directory made writable again (a remount) raises no event.
-            r.retry_at = time.monotonic() + r.backoff.next()
-            return
-        r.serve_error = None
-        self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
-        r.backoff.reset()
-        event(INFO if r.registrations == 0 else DEBUG, "serving", f"{r.name}: serving {r.device.count} units of {r.device.path} on {path}", resource=r.name, device=r.device.path, socket=path)
-        self._register(r)
+    def _serve_failed(self, path: str, error: OSError) -> bool:
+        """A socket could not be bound. True when that means the daemon must restart."""
+        if not self._plugin_dir_replaced():
+            return False
+        event(logging.ERROR, "plugin-dir-replaced", f"{self.cfg.device_plugin_dir} was replaced while atedevd ran and is read-only in its view (the sandbox bound the old one); exiting so that systemd restarts atedevd with a fresh view", socket=path)
+        self._begin_stop()
+        self.exit_code = 1
+        return True
 
     def _plugin_dir_replaced(self) -> bool:
         """Our sandbox's writable bind of the plugin directory is gone (kubelet's
@@ -261,124 +238,36 @@ class Daemon:
         path = self.cfg.device_plugin_dir
         return self._plugin_dir_was_mount and not _is_mount_point(path) and not os.access(path, os.W_OK)
 
-    def _lose_socket(self, r: Resource, dir_ok: bool) -> None:
-        path = r.server.socket_path
-        if r.state == "registered":
-            why = "was deleted (kubelet is restarting?)" if dir_ok else "directory is gone"
-            event(WARNING, "registration-lost", f"{r.name}: lost registration: our socket {path} {why}", resource=r.name, socket=path)
-            r.lost_at = time.monotonic()
-        self._stop_serving(r)
-
-    def _stop_serving(self, r: Resource) -> None:
-        if r.attempt is not None:
-            r.attempt.cancel()
-            r.attempt = None
-        if r.server is not None:
-            r.server.stop()
-            r.server = None
-        r.state = "absent"
-        r.retry_at = None
-
-    def _stream_callback(self, r: Resource):
-        def on_end(generation: int) -> None:
-            self._post(("stream-ended", r.name, generation))
-
-        return on_end
-
-    # --- registration -----------------------------------------------------------
-
-    def _register(self, r: Resource) -> None:
-        """Start a Register attempt now, replacing any in flight."""
-        if r.attempt is not None:
-            r.attempt.cancel()
-            r.attempt = None
-        r.retry_at = None
-        if not os.path.exists(os.path.join(self.cfg.device_plugin_dir, KUBELET_SOCKET)):
-            self._waiting(r, "kubelet.sock does not exist yet", retry=False)
-            return
-        r.server.end_streams()  # kubelet must see old streams end before the new Register
-        r.generation = r.server.new_generation()
-        r.state = "registering"
-        r.attempt = Attempt(
-            self.cfg.device_plugin_dir,
-            r.name,
-            devices.socket_name(r.name),
-            lambda a, error: self._post(("registered", r.name, a, error)),
-        )
-
-    def _on_register_done(self, name: str, attempt: Attempt, error: Optional[str]) -> None:
-        attempt.close()
-        r = self.resources.get(name)
-        if r is None or attempt is not r.attempt:
-            return  # superseded
-        r.attempt = None
-        if error is not None:
-            self._waiting(r, error, retry=True)
-            return
-        now = time.monotonic()
-        r.state = "registered"
-        r.registrations += 1
-        r.registered_at = now
-        r.last_error = None
-        if r.lost_at is not None:
-            took = now - r.lost_at
-            r.last_reregistration = (time.time(), took)
-            r.lost_at = None
-            event(INFO, "reregistered", f"{r.name}: registered again with kubelet ({took * 1000:.0f} ms after the loss)", resource=r.name)
-        elif r.registrations == 1:
-            event(INFO, "registered", f"{r.name}: registered with kubelet ({r.device.count} units of {r.device.path})", resource=r.name, socket=r.server.socket_path)
-        else:
-            event(INFO, "reregistered", f"{r.name}: registered again with kubelet", resource=r.name)
-
-    def _waiting(self, r: Resource, reason: str, retry: bool) -> None:
-        r.state = "waiting"
-        if reason != r.last_error and r.registrations == 0:
-            event(INFO, "waiting-for-kubelet", f"{r.name}: waiting for kubelet: {reason}", resource=r.name)
-        else:  # retries, and the expected gaps of a restarting kubelet
-            log.debug("%s: waiting for kubelet: %s", r.name, reason)
-        r.last_error = reason
-        r.retry_at = time.monotonic() + r.backoff.next() if retry else None
-
-    def _on_stream_end(self, name: str, generation: int) -> None:
-        """kubelet ended the stream it opened for our current registration."""
-        r = self.resources.get(name)
-        if r is None or r.server is None or generation != r.generation:
-            return
-        if r.state not in ("registered", "registering"):
-            return
-        now = time.monotonic()
-        event(WARNING, "stream-ended", f"{r.name}: kubelet ended our ListAndWatch stream; registering again", resource=r.name)
-        if r.state == "registered":
-            r.lost_at = now
-            if r.registered_at is not None and now - r.registered_at > STABLE_AFTER_S:
-                r.backoff.reset()
-        if r.attempt is not None:
-            r.attempt.cancel()
-            r.attempt = None
-        r.state = "waiting"
-        r.retry_at = now + r.backoff.next()  # a kubelet that keeps dropping us is not hammered
-
     # --- configuration --------------------------------------------------------------
 
     def _apply(self, cfg: Config, first: bool = False) -> None:
-        """Adopt `cfg`: resources added start, removed stop, unchanged are not touched."""
+        """Adopt `cfg`: resources added start, removed stop, changed register anew
+        (handing over their old socket), unchanged are not touched."""
         old_root = self.cfg.dev_root
         if not first and cfg.device_plugin_dir != self.cfg.device_plugin_dir:
             event(WARNING, "reload", f"device_plugin_dir cannot change on reload; still using {self.cfg.device_plugin_dir} (restart to change it)")
             cfg = replace(cfg, device_plugin_dir=self.cfg.device_plugin_dir)
         set_level(cfg.log_level)
         self.cfg = cfg
+        now = time.monotonic()
         wanted = {d.resource: d for d in cfg.devices}
         for name in list(self.resources):
             r = self.resources[name]
-            if wanted.get(name) != r.device or cfg.dev_root != old_root:
-                self._stop_serving(r)
+            if name not in wanted:
+                r.reg.close()
                 del self.resources[name]
-                if not first:
-                    event(INFO, "resource-removed" if name not in wanted else "resource-changed", f"{name}: {'no longer configured' if name not in wanted else 'configuration changed'}; stopped serving it", resource=name)
+                event(INFO, "resource-removed", f"{name}: no longer configured; stopped serving it", resource=name)
+            elif wanted[name] != r.device or cfg.dev_root != old_root:
+                r.device, r.present = wanted[name], None
+                self._check_presence(r, now)
+                r.reg.reconfigure(r.device, self._snapshot(r), now)
+                event(INFO, "resource-changed", f"{name}: configuration changed; registering it anew", resource=name)
         for name, device in wanted.items():
             if name not in self.resources:
-                self.resources[name] = Resource(device)
+                r = Resource(device, reg=None)  # type: ignore[arg-type]
+                self._check_presence(r, now)
+                r.reg = Registration(device, self._snapshot(r), self._ctx)
+                self.resources[name] = r
         dirs = [self.cfg.device_plugin_dir] + [os.path.dirname(d.host_path(cfg.dev_root)) for d in cfg.devices]
         self._watcher.want(dirs)
         self._reconcile()
@@ -415,14 +304,7 @@ class Daemon:
             return f"{r.device.path} missing, not advertised"
         if not dir_ok:
             return f"waiting for {self.cfg.device_plugin_dir}"
-        if r.state != "registered":
-            return "waiting for kubelet"
-        healthy = r.device.count if r.present else 0
-        text = f"registered, {healthy}/{r.device.count} healthy"
-        if r.last_reregistration:
-            at, took = r.last_reregistration
-            text += f", re-registered {time.strftime('%H:%M:%S', time.localtime(at))} in {took * 1000:.0f} ms"
-        return text
+        return r.reg.describe()
 
 
 def _is_mount_point(path: str) -> bool:

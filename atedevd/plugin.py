@@ -1,11 +1,11 @@
-"""The v1beta1 DevicePlugin service for one resource, on its own unix socket.
+"""The v1beta1 DevicePlugin service for one resource, on one unix socket.
 
 Handlers only read the current immutable `Snapshot` and wait for the next
-one; they never decide anything. What the control loop must know (a stream
-that kubelet ended) is handed to it through `on_stream_end`.
+one; they never decide anything. What the registration must know — kubelet
+opened its stream, ended it, or a stream was refused — is reported through
+`on_event(kind, server)`; all decisions are made in the control loop.
 """
 
-import itertools
 import logging
 import os
 import threading
@@ -17,67 +17,70 @@ import grpc
 from atedevd.api import device_plugin_handler, pb
 from atedevd.config import Device
 from atedevd.devices import Snapshot
+from atedevd.sockets import MAX_SOCKET_PATH
 
 log = logging.getLogger(__name__)
 
 # Each ListAndWatch stream holds a worker thread for its whole life. kubelet
-# holds one per resource (two while it re-registers); the budget is shared by
-# every resource and leaves workers free for Allocate whatever streams do.
-WORKERS = 16
-MAX_STREAMS = 12
-# sun_path is 108 bytes with the terminating NUL.
-MAX_SOCKET_PATH = 107
+# holds one per resource, two during a handover; one more leaves room for a
+# debugging client. Every resource has this budget of its own.
+STREAMS_PER_RESOURCE = 3
+# Workers that streams can never take, for Allocate and the other unary calls.
+UNARY_WORKERS = 12
+# Started at start-up: thread count and memory are flat from the first reading.
+PRESTARTED_WORKERS = 16
 # Long lists of bad IDs are named only this far in an error.
 _NAMED_IDS = 3
-# Generations are unique across servers: a stream of a stopped server that ends late
-# must never match the registration made on its successor.
-_generations = itertools.count(1)
 
-
-class _Stream:
-    __slots__ = ("generation", "primary", "ended_by_us")
-
-    def __init__(self, generation: int, primary: bool):
-        self.generation = generation
-        self.primary = primary  # the first stream of its registration: the one kubelet opens
-        self.ended_by_us = False
+STREAM_OPENED, STREAM_ENDED, STREAM_REFUSED = "stream-opened", "stream-ended", "stream-refused"
 
 
 class Workers:
-    """The worker threads every plugin server shares, and the streams' share of them."""
+    """The worker threads every plugin server shares: enough for every
+    resource's stream budget plus the unary calls, started on demand past
+    the first `PRESTARTED_WORKERS`."""
 
-    def __init__(self) -> None:
-        self.executor = futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="grpc")
-        self.stream_slots = threading.BoundedSemaphore(MAX_STREAMS)
-        # Start every worker now (the pool would start them on demand), so the
-        # thread count and resident memory seen at start are what the node pays.
-        everyone = threading.Barrier(WORKERS + 1)
-        for _ in range(WORKERS):
+    def __init__(self, max_resources: int) -> None:
+        size = UNARY_WORKERS + STREAMS_PER_RESOURCE * max(max_resources, 1)
+        self.executor = futures.ThreadPoolExecutor(max(size, PRESTARTED_WORKERS), thread_name_prefix="grpc")
+        everyone = threading.Barrier(PRESTARTED_WORKERS + 1)
+        for _ in range(PRESTARTED_WORKERS):
             self.executor.submit(everyone.wait)
         everyone.wait()
 
 
+class _Stream:
+    __slots__ = ("primary", "ended_by_us")
+
+    def __init__(self, primary: bool):
+        self.primary = primary  # the first stream after registration: kubelet's
+        self.ended_by_us = False
+
+
 class PluginServer:
-    """Serves one resource; `publish` a new snapshot, `end_streams` before re-registering."""
+    """Serves one resource on one socket file, for exactly one registration."""
 
     def __init__(
         self,
         device: Device,
-        socket_path: str,
+        bind_path: str,
         workers: Workers,
-        on_stream_end: Callable[[int], None],
+        stream_slots: threading.BoundedSemaphore,
+        on_event: Callable[[str, "PluginServer"], None],
     ):
         self.device = device
-        self.socket_path = socket_path
+        self.bind_path = bind_path  # where it was bound: /proc/net/unix names it so
+        self.socket_path = bind_path  # where it is now (after `move_to`)
         self._workers = workers
-        self._on_stream_end = on_stream_end
+        self._slots = stream_slots
+        self._on_event = on_event
         self._cond = threading.Condition()
         self._snapshot: Optional[Snapshot] = None
         self._streams: Set[_Stream] = set()
-        self._generation = 0
-        self._primary_taken = 0  # the generation whose kubelet stream has opened
+        self._primary_taken = False
         self._server: Optional[grpc.Server] = None
         self.inode: Optional[int] = None
+        self.refused = 0
         self._spec = pb.DeviceSpec(
             container_path=device.path, host_path=device.path, permissions=device.permissions
         )
@@ -86,11 +89,10 @@ class PluginServer:
 
     def start(self) -> None:
         """Bind the socket and serve; grpc replaces a stale file at the path."""
-        size = len(os.fsencode(self.socket_path))
+        size = len(os.fsencode(self.bind_path))
         if size > MAX_SOCKET_PATH:
             raise OSError(f"the socket path is {size} bytes; unix sockets allow at most {MAX_SOCKET_PATH}")
-        directory = os.path.dirname(self.socket_path)
-        if not os.access(directory, os.W_OK):  # e.g. EROFS; grpc core would log a stack of errors per try
+        if not os.access(os.path.dirname(self.bind_path), os.W_OK):  # e.g. EROFS; grpc would log a stack per try
             raise OSError("cannot bind the socket: the directory is not writable")
         server = grpc.server(
             self._workers.executor,
@@ -98,18 +100,23 @@ class PluginServer:
             options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)],
         )
         try:
-            port = server.add_insecure_port("unix:" + self.socket_path)
+            port = server.add_insecure_port("unix:" + self.bind_path)
         except RuntimeError:  # newer grpcio raises where older returns 0
             port = 0
         if port == 0:
             raise OSError("cannot bind the socket")
         server.start()
         self._server = server
-        self.inode = os.lstat(self.socket_path).st_ino
+        self.inode = os.lstat(self.bind_path).st_ino
+
+    def move_to(self, path: str) -> None:
+        """Rename the bound socket file into place (same filesystem): it keeps serving."""
+        os.rename(self.socket_path, path)
+        self.socket_path = path
 
     def stop(self) -> None:
-        """Stop serving, end every stream, and remove our socket if it is still there
-        (grpc unlinks the path itself on stop; this covers versions that do not)."""
+        """Stop serving and remove our socket file if it is still ours (grpc
+        unlinks only the path it bound, not where the file was moved)."""
         self.end_streams()
         if self._server is not None:
             self._server.stop(grace=None)
@@ -121,10 +128,15 @@ class PluginServer:
                 pass
         self.inode = None
 
+    @property
+    def kubelet_connected(self) -> bool:
+        """kubelet opened its stream here at some point (so may still hold a connection)."""
+        return self._primary_taken
+
     def socket_is_ours(self) -> bool:
         try:
             return self.inode is not None and os.lstat(self.socket_path).st_ino == self.inode
-        except FileNotFoundError:
+        except OSError:
             return False
 
     def publish(self, snapshot: Snapshot) -> None:
@@ -132,20 +144,12 @@ class PluginServer:
             self._snapshot = snapshot
             self._cond.notify_all()
 
-    def new_generation(self) -> int:
-        """Streams opened from now on belong to the registration about to be made."""
-        with self._cond:
-            self._generation = next(_generations)
-            return self._generation
-
-    def end_streams(self, timeout: float = 0.2) -> None:
-        """End every open stream and wait briefly for the handlers to return,
-        so kubelet sees the old stream end before our next Register."""
+    def end_streams(self) -> None:
+        """Ask every open stream to end; returns at once (handlers finish on their threads)."""
         with self._cond:
             for s in self._streams:
                 s.ended_by_us = True
             self._cond.notify_all()
-            self._cond.wait_for(lambda: not self._streams, timeout)
 
     # --- gRPC side (worker threads) ------------------------------------------
 
@@ -153,24 +157,27 @@ class PluginServer:
         return pb.DevicePluginOptions()
 
     def ListAndWatch(self, request, context):
-        if not self._workers.stream_slots.acquire(blocking=False):
+        if not self._slots.acquire(blocking=False):
+            with self._cond:
+                self.refused += 1
+            self._on_event(STREAM_REFUSED, self)
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.device.resource}: already {MAX_STREAMS} ListAndWatch streams open",
+                f"{self.device.resource}: already {STREAMS_PER_RESOURCE} ListAndWatch streams open",
             )
         with self._cond:
-            stream = _Stream(self._generation, primary=self._primary_taken != self._generation)
-            self._primary_taken = self._generation
+            stream = _Stream(primary=not self._primary_taken)
+            self._primary_taken = True
             self._streams.add(stream)
-        context.add_callback(self._wake)
-        sent = None
         try:
+            if stream.primary:
+                self._on_event(STREAM_OPENED, self)
+            context.add_callback(self._wake)
+            sent = None
             while True:
                 with self._cond:
                     self._cond.wait_for(
-                        lambda: stream.ended_by_us
-                        or not context.is_active()
-                        or self._snapshot is not sent
+                        lambda: stream.ended_by_us or not context.is_active() or self._snapshot is not sent
                     )
                     if stream.ended_by_us or not context.is_active():
                         return
@@ -179,10 +186,9 @@ class PluginServer:
         finally:
             with self._cond:
                 self._streams.discard(stream)
-                self._cond.notify_all()
-            self._workers.stream_slots.release()
+            self._slots.release()
             if stream.primary and not stream.ended_by_us:
-                self._on_stream_end(stream.generation)
+                self._on_event(STREAM_ENDED, self)
 
     def Allocate(self, request, context):
         snap = self._snapshot

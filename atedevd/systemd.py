@@ -80,7 +80,7 @@ class _PlainFormatter(logging.Formatter):
     """`level: message`, with no timestamp when journald adds its own."""
 
     def __init__(self, timestamps: bool):
-        fmt = "%(asctime)s %(levelname)s %(message)s" if timestamps else "%(levelname)s %(message)s"
+        fmt = "%(asctime)s.%(msecs)03d %(levelname)s %(message)s" if timestamps else "%(levelname)s %(message)s"
         super().__init__(fmt, datefmt="%H:%M:%S")
 
 
