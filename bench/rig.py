@@ -8,7 +8,7 @@ import tempfile
 import time
 from typing import Optional
 
-from tests.harness import REPO, RESOURCE, SOCKET_NAME, Daemon, fake_dev_root
+from tests.harness import REPO, RESOURCE, Daemon, current_socket, fake_dev_root
 from tests.kubelet_standin import Kubelet
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -58,17 +58,21 @@ def unit_environment() -> dict:
 class Rig:
     """A temp node with the kubelet stand-in serving; `start()` runs the daemon."""
 
-    def __init__(self, kubelet: bool = True, kubelet_mode: str = "1.33"):
+    def __init__(self, kubelet: bool = True, kubelet_mode: str = "current"):
         self.root = tempfile.mkdtemp(prefix="atebench-", dir="/tmp")  # short: sun_path
         self.dev_root = fake_dev_root(os.path.join(self.root, "dev"))
         self.plugin_dir = os.path.join(self.root, "device-plugins")
-        self.socket = os.path.join(self.plugin_dir, SOCKET_NAME)
         os.makedirs(self.plugin_dir)
         self.kubelet: Optional[TimedKubelet] = None
         self.daemon: Optional[Daemon] = None
         if kubelet:
             self.kubelet = TimedKubelet(self.plugin_dir, kubelet=kubelet_mode)
             self.kubelet.start()
+
+    @property
+    def socket(self) -> str:
+        """The daemon's current socket (a new file per registration)."""
+        return current_socket(self.plugin_dir, kubelet=self.kubelet)
 
     def start(self, env=None, log_level: str = "info") -> Daemon:
         env = {**unit_environment(), **(env or {})}  # measured as the unit runs it

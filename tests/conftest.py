@@ -1,11 +1,27 @@
-"""Fixtures: a fake dev root, a kubelet stand-in, and atedevd run as a process."""
+"""Fixtures: a fake dev root, a kubelet stand-in, and atedevd run as a process.
+
+The `kubelet` fixture models the newest kubelet ("current"); tests marked
+`registration` (and every test in test_registration.py) run against each
+kubelet version the stand-in models (tests.kubelet_standin.MODES).
+"""
 
 import os
 
 import pytest
 
 from tests.harness import Daemon, fake_dev_root
-from tests.kubelet_standin import Kubelet
+from tests.kubelet_standin import MODES, Kubelet
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "registration: run against every kubelet version the stand-in models")
+
+
+def pytest_generate_tests(metafunc):
+    if "kubelet_mode" in metafunc.fixturenames:
+        both = metafunc.definition.get_closest_marker("registration") is not None \
+            or metafunc.module.__name__.endswith("test_registration")
+        metafunc.parametrize("kubelet_mode", MODES if both else ("current",), ids=lambda m: f"kubelet-{m}")
 
 
 @pytest.fixture
@@ -19,8 +35,8 @@ def plugin_dir(tmp_path):
 
 
 @pytest.fixture
-def kubelet(plugin_dir):
-    k = Kubelet(plugin_dir)
+def kubelet(plugin_dir, kubelet_mode):
+    k = Kubelet(plugin_dir, kubelet=kubelet_mode)
     k.start()
     yield k
     k.close()

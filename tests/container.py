@@ -70,7 +70,8 @@ RUNTIME_PACKAGES = (
 
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
-SOCKET = PLUGIN_DIR + "/ate.dev-kvm.sock"
+SOCKET = PLUGIN_DIR + "/ate.dev-kvm.sock"  # the older fixed name; now one name per registration
+SOCKET_GLOB = PLUGIN_DIR + "/ate.dev-kvm*.sock"
 RESOURCE = "ate.dev/kvm"
 TEST_LIB = "/usr/local/lib/atedevd-tests"  # the kubelet stand-in and probes, inside the container
 STANDIN_UNIT = "kubelet-standin"
@@ -454,6 +455,12 @@ def start_standin(node: Container, *extra: str) -> None:
              "--plugin-dir", PLUGIN_DIR, "--state", STANDIN_STATE, *extra)
     wait_until(lambda: standin_state(node) is not None, 30, "kubelet stand-in to write its state",
                lambda: node.journal("-u", STANDIN_UNIT, "-n", "30"))
+
+
+def our_sockets(node: "Container") -> list:
+    """The daemon's socket files for ate.dev/kvm (`ate.dev-kvm.<instance>-<n>.sock`, or the older fixed name)."""
+    out = node.run("find", PLUGIN_DIR, "-maxdepth", "1", "-type", "s", "-name", "ate.dev-kvm*.sock", check=False).stdout
+    return sorted(line for line in out.splitlines() if line.strip())
 
 
 def stop_standin(node: Container) -> None:

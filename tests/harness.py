@@ -3,8 +3,10 @@
 Shared by the tests, the benchmarks and the demo.
 """
 
+import glob
 import os
 import signal
+import stat
 import socket
 import subprocess
 import sys
@@ -14,7 +16,46 @@ from typing import List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESOURCE = "ate.dev/kvm"
-SOCKET_NAME = "ate.dev-kvm.sock"
+SOCKET_NAME = "ate.dev-kvm.sock"  # the old fixed name; newer daemons use ate.dev-kvm.<instance>-<n>.sock
+
+
+def plugin_sockets(plugin_dir: str, resource: str = RESOURCE) -> List[str]:
+    """The daemon's socket files for `resource`, newest first: `<resource>.<instance>-<n>.sock`
+    (one per registration), or the older fixed `<resource>.sock`."""
+    base = resource.replace("/", "-")
+    paths = glob.glob(os.path.join(glob.escape(plugin_dir), glob.escape(base) + ".*.sock"))
+    paths.append(os.path.join(plugin_dir, base + ".sock"))
+    found = []
+    for p in paths:
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if stat.S_ISSOCK(st.st_mode):
+            found.append((st.st_mtime_ns, p))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def current_socket(plugin_dir: str, resource: str = RESOURCE, kubelet=None) -> Optional[str]:
+    """The path of the resource's current socket: the one kubelet's current endpoint names if a
+    kubelet stand-in is given and has one, else the newest matching socket file (None if none)."""
+    if kubelet is not None:
+        name = kubelet.current_endpoint(resource)
+        if name:
+            return os.path.join(plugin_dir, name)
+    found = plugin_sockets(plugin_dir, resource)
+    return found[0] if found else None
+
+
+def our_files(plugin_dir: str) -> List[str]:
+    """The plugin directory's entries with our sockets' names normalised to `<resource>.*.sock`."""
+    out = []
+    for name in sorted(os.listdir(plugin_dir)):
+        if name.startswith("ate.dev-") and name.endswith(".sock"):
+            head = name[: -len(".sock")].split(".", 2)
+            name = ".".join(head[:2]) + ".*.sock" if len(head) > 2 else name[: -len(".sock")] + ".*.sock"
+        out.append(name)
+    return sorted(out)
 
 
 def fake_dev_root(path: str, names=("kvm",)) -> str:
@@ -84,7 +125,6 @@ class Daemon:
                  extra_args=(), env=None, log_level: str = "info"):
         self.workdir = workdir
         self.plugin_dir = plugin_dir
-        self.socket_path = os.path.join(plugin_dir, SOCKET_NAME)
         os.makedirs(workdir, exist_ok=True)
         self.notify = NotifySocket(os.path.join(workdir, f"notify-{time.monotonic_ns()}"))
         self.log_path = os.path.join(workdir, f"daemon-{time.monotonic_ns()}.log")
@@ -109,6 +149,11 @@ class Daemon:
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(args, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
         self.pid = self.proc.pid
+
+    @property
+    def socket_path(self) -> Optional[str]:
+        """The newest socket file of the default resource (the daemon makes a new one per registration)."""
+        return current_socket(self.plugin_dir)
 
     def wait_ready(self, timeout: float = 10.0) -> dict:
         m = self.notify.wait_for("READY", "1", timeout)

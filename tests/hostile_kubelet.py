@@ -12,7 +12,6 @@ and then closes the connection mid-call.
 import os
 import socket
 import threading
-import time
 from typing import List
 
 import grpc
@@ -36,10 +35,6 @@ class HostileKubelet(Kubelet):
         self.release = threading.Event()  # ends every hang with an answer
         self.streams_seen = 0  # first messages read by "ten-streams"
         self.held: List[grpc.Channel] = []  # dial-backs kept open by "no-watch"
-
-    def calls_of(self, behaviour: str) -> int:
-        with self.cond:
-            return self.calls.get(behaviour, 0)
 
     def Register(self, request, context):
         behaviour = self.behaviour
@@ -164,11 +159,3 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes:
         buf += chunk
     return buf
 
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return bool(predicate())

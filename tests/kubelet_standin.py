@@ -1,27 +1,59 @@
-"""A kubelet stand-in that behaves like kubelet's device manager on the wire.
+"""A kubelet stand-in that behaves like the device manager of a real kubelet, on the wire.
 
-What it does, as kubelet does (design.md §2):
-- serves v1beta1.Registration on `kubelet.sock`; inside Register it checks the
-  version and resource name, dials the plugin's socket (blocking, 10 s), calls
-  GetDevicePluginOptions and starts ListAndWatch in the background, and only
-  then returns;
-- every ListAndWatch message replaces the resource's device set and is written
-  to `kubelet_internal_checkpoint`;
-- a restart kills the old process's connections (leaving a stale kubelet.sock),
-  then the new one deletes every socket in the directory, waits, and serves a
-  new kubelet.sock; resources stay known at capacity 0 until registered again;
-- `kubelet="1.32"` keeps one client per resource name: when an old stream ends
-  after a new registration of the same resource, the new one is disconnected.
-  The default (newer kubelet) disconnects the old client when a new one registers.
+Two modes, each modelling one kubelet's code (read from kubernetes/kubernetes:
+pkg/kubelet/cm/devicemanager/{manager.go,endpoint.go}, plugin/v1beta1/
+{server.go,handler.go,client.go}, apis/podresources/server_v1.go):
+
+`kubelet="1.32"` (every kubelet before PR #135437):
+  - `clients` and `endpoints` keyed by resource name only;
+  - Register validates (version, extended resource name), stores the new client
+    by name BEFORE dialing (the old client is not closed: its stream goes on),
+    dials the plugin socket (blocking, 10 s), calls GetDevicePluginOptions,
+    sets `endpoints[name]`, starts ListAndWatch in the background, returns;
+  - when a stream ends, kubelet looks the client up again BY NAME (possibly a
+    newer one), deregisters and closes it, then PluginDisconnected(name) marks
+    the resource's devices unhealthy and stamps a stop time on whatever
+    endpoint is current. A late old teardown therefore disconnects the new
+    client, or leaves the new endpoint stopped with its stream still open.
+`kubelet="current"` (master after PR #135437):
+  - a list of clients per name, found and removed by name + socket path;
+  - a second connection on the same name + path is refused
+    ("device plugin already connected: <path>");
+  - a late teardown evicts whatever sits at that path; when another endpoint
+    of the resource is still live it takes over and the devices stay healthy.
+
+Both: Register errors are plain errors (gRPC UNKNOWN); every ListAndWatch
+message replaces the resource's device sets and is checkpointed; Allocate
+through the stand-in fails on a stopped endpoint ("endpoint ... has been
+stopped"); a stopped endpoint's resource is dropped after a grace period (5 min
+in kubelet, a constructor parameter here); after a restart, resources from the
+checkpoint come back with no healthy devices (capacity 0) and a stopped
+endpoint until their plugin registers again. Restarts are back to back like a
+real kubelet's: kill (connections drop, kubelet.sock stays, stale), then the
+new process reads the checkpoint, wipes the sockets in the directory (only
+sockets, only the directory itself: subdirectories are skipped) and serves a
+new kubelet.sock at once (`gap`, default 0, puts a pause between the wipe and
+serving). The pod-resources API v1 (GetAllocatableResources, a minimal List)
+is served on `<root>/pod-resources/kubelet.sock`, root being the parent of the
+plugin directory, returning what kubelet returns: the devices in the
+resource's healthy set (which a stop empties and any later ListAndWatch
+message refills), regardless of the endpoint's stop time.
+
+Delays can be injected at each step on the kubelet side (`delays`, seconds or
+callables returning seconds): before_dial, after_dial, before_options,
+before_set_endpoint, before_return (Register), before_stream (ListAndWatch
+goroutine), teardown (after a stream ends, before the lookup by name/path),
+teardown_lookup (between that lookup and the deregistration).
 
 Used in-process by the tests and benchmarks (`Kubelet`), and as a script in the
 systemd container and the demo:
-  kubelet_standin.py serve --plugin-dir DIR --state FILE [--kubelet 1.32]
+  kubelet_standin.py serve --plugin-dir DIR --state FILE [--kubelet 1.32|current]
       (SIGHUP: restart like kubelet; SIGTERM: exit, leaving a stale socket)
   kubelet_standin.py allocate --plugin-dir DIR --resource R --ids a,b
 """
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -32,263 +64,780 @@ import tempfile
 import threading
 import time
 from concurrent import futures
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import grpc
 
-from atedevd.api import API_VERSION, DevicePluginStub, pb, registration_handler
+from atedevd.api import (
+    API_VERSION,
+    DevicePluginStub,
+    pb,
+    pod_resources_handler,
+    prpb,
+    registration_handler,
+)
 
 KUBELET_SOCKET = "kubelet.sock"
 CHECKPOINT = "kubelet_internal_checkpoint"
+POD_RESOURCES_DIR = "pod-resources"
 DIAL_TIMEOUT_S = 10.0
+GRACE_PERIOD_S = 300.0  # endpointStopGracePeriod
+MODES = ("1.32", "current")
+DELAY_STEPS = ("before_dial", "after_dial", "before_options", "before_set_endpoint", "before_return",
+               "before_stream", "teardown", "teardown_lookup")
 _DIAL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]  # every dial is a fresh connection, as in Go
+
+Delay = Union[float, Callable[[], float]]
+
+
+class KubeletError(Exception):
+    """An error kubelet itself raises (not the plugin's answer): e.g. a stopped endpoint."""
+
+
+class Endpoint:
+    """kubelet's endpointImpl: the plugin's API and a stop time."""
+
+    def __init__(self, resource: str, client: Optional["Client"], path: Optional[str],
+                 options: Optional[pb.DevicePluginOptions] = None, stopped_at: Optional[float] = None):
+        self.resource = resource
+        self.client = client
+        self.path = path
+        self.options = options
+        self.stopped_at = stopped_at  # monotonic; None: not stopped
+
+    @property
+    def name(self) -> Optional[str]:
+        return os.path.basename(self.path) if self.path else None
+
+    def __repr__(self) -> str:
+        return f"&{{{self.resource} {self.name}}}"
 
 
 class Client:
-    """kubelet's connection to one registered plugin."""
+    """kubelet's plugin client: one gRPC connection to one plugin socket and its ListAndWatch."""
 
-    def __init__(self, kubelet: "Kubelet", resource: str, endpoint: str, channel: grpc.Channel):
-        self.kubelet = kubelet
+    def __init__(self, inc: "_Incarnation", resource: str, endpoint: str, path: str):
+        self.inc = inc
         self.resource = resource
-        self.endpoint = endpoint
-        self.channel = channel
-        self.stub = DevicePluginStub(channel)
-        self.devices: Dict[str, str] = {}
-        self.connected = False  # first ListAndWatch message received, stream open
-        self.closed = False
+        self.endpoint = endpoint  # the socket's file name, as registered
+        self.path = path
+        self.channel: Optional[grpc.Channel] = None
+        self.stub: Optional[DevicePluginStub] = None
         self.options: Optional[pb.DevicePluginOptions] = None
+        self.devices: Dict[str, str] = {}  # this client's last ListAndWatch message
+        self.streaming = False  # the ListAndWatch call is open
+        self.connected = False  # ... and its first message has arrived
+        self.closed = False  # Disconnect() closed the connection
+        self.stream_started_at: Optional[float] = None
+        self.stream_ended_at: Optional[float] = None
+        self.torn_down_at: Optional[float] = None  # the teardown after its stream ended finished
         self._stream = None
 
+    def __repr__(self) -> str:
+        return (f"Client({self.endpoint} kubelet#{self.inc.n} streaming={self.streaming} connected={self.connected} "
+                f"closed={self.closed})")
+
     def run(self) -> None:
+        """c.Run(): ListAndWatch until it ends; every message goes to the device manager."""
+        k = self.inc.kubelet
         try:
-            self._stream = self.stub.ListAndWatch(pb.Empty())
+            with k.cond:
+                if not self.inc.alive or self.closed or self.channel is None:
+                    return
+                self._stream = self.stub.ListAndWatch(pb.Empty())
+                self.streaming = True
+                self.stream_started_at = time.monotonic()
+                k.cond.notify_all()
             for resp in self._stream:
-                with self.kubelet.cond:
+                with k.cond:
+                    if not self.inc.alive:
+                        break
                     self.devices = {d.ID: d.health for d in resp.devices}
                     self.connected = True
-                    self.kubelet.updates += 1
-                    self.kubelet.write_checkpoint()
-                    self.kubelet.cond.notify_all()
-        except (grpc.RpcError, ValueError):  # ValueError: closed before the stream began
+                    k.updates += 1
+                    self.inc.device_update(self.resource, resp.devices)
+                    k.cond.notify_all()
+        except (grpc.RpcError, ValueError):  # ValueError: the channel closed before the call began
             pass
         finally:
-            self.kubelet.stream_ended(self)
+            with k.cond:
+                self.streaming = False
+                self.connected = False
+                self.stream_ended_at = time.monotonic()
+                k.cond.notify_all()
 
-    def close(self) -> None:
-        self.closed = True
-        self.connected = False
-        if self._stream is not None:
-            self._stream.cancel()
-        # grpc's close takes ~0.2 s (its poller's period); a dying kubelet does not wait for it
-        threading.Thread(target=self.channel.close, daemon=True).start()
+    def cancel_stream(self) -> None:
+        with self.inc.kubelet.cond:
+            stream = self._stream
+        if stream is not None:
+            stream.cancel()
+
+    def disconnect(self) -> None:
+        """c.Disconnect(): close the connection if dialed (ends its stream); the caller then
+        tells the device manager (PluginDisconnected)."""
+        with self.inc.kubelet.cond:
+            channel, self.channel = self.channel, None
+            self.closed = True
+        if channel is not None:
+            _close(channel)
+
+
+class _Incarnation:
+    """One kubelet process: everything here dies with it (the checkpoint file survives)."""
+
+    def __init__(self, kubelet: "Kubelet", n: int):
+        self.kubelet = kubelet
+        self.n = n
+        self.alive = True
+        self.started_at = time.monotonic()
+        # plugin/v1beta1 server: 1.32 name -> Client; current: name -> [Client]
+        self.handler_clients: Dict[str, Union[Client, List[Client]]] = {}
+        self.all_clients: List[Client] = []  # every client this process made (for streams and dumps)
+        self.endpoints: Dict[str, Endpoint] = {}
+        self.endpoint_store: Dict[str, Dict[str, Endpoint]] = {}  # current: name -> path -> endpoint
+        self.healthy: Dict[str, set] = {}
+        self.unhealthy: Dict[str, set] = {}
+        self.all_devices: Dict[str, Dict[str, tuple]] = {}  # name -> id -> (health, numa ids)
+        self.channels: set = set()
+        self.servers: List[grpc.Server] = []
+
+    # --- the device manager (manager.go), called with the lock held ---------------------
+
+    def device_update(self, name: str, devices) -> None:
+        """genericDeviceUpdateCallback: the message replaces the resource's device sets."""
+        self.healthy[name] = {d.ID for d in devices if d.health == "Healthy"}
+        self.unhealthy[name] = {d.ID for d in devices if d.health != "Healthy"}
+        self.all_devices[name] = {d.ID: (d.health, [n.ID for n in d.topology.nodes] if d.HasField("topology") else None)
+                                  for d in devices}
+        self.kubelet.write_checkpoint()
+
+    def mark_unhealthy(self, name: str) -> None:
+        """markResourceUnhealthy."""
+        healthy = self.healthy.get(name, set())
+        self.healthy[name] = set()
+        self.unhealthy[name] = self.unhealthy.get(name, set()) | healthy
+
+    def get_capacity(self) -> Dict[str, tuple]:
+        """GetCapacity: (capacity, allocatable) per resource; drops resources whose endpoint
+        stopped more than the grace period ago (kubelet does it on its node status sync)."""
+        now = time.monotonic()
+        out: Dict[str, tuple] = {}
+        changed = False
+        for name in sorted(set(self.healthy) | set(self.unhealthy)):
+            e = self.endpoints.get(name)
+            if e is None or (e.stopped_at is not None and now - e.stopped_at > self.kubelet.grace):
+                self.endpoints.pop(name, None)
+                self.healthy.pop(name, None)
+                self.unhealthy.pop(name, None)
+                changed = True
+                continue
+            h, u = len(self.healthy.get(name, ())), len(self.unhealthy.get(name, ()))
+            out[name] = (h + u, h)
+        if changed:
+            self.kubelet.write_checkpoint()
+        return out
+
+    def allocatable_devices(self) -> Dict[str, Dict[str, tuple]]:
+        """GetAllocatableDevices: allDevices filtered by the healthy sets."""
+        out = {}
+        for name, ids in self.healthy.items():
+            if name in self.all_devices:
+                out[name] = {i: d for i, d in self.all_devices[name].items() if i in ids}
+        return out
 
 
 class Kubelet:
-    def __init__(self, plugin_dir: str, kubelet: str = "1.33", wipe: str = "sockets", on_change=None):
+    def __init__(self, plugin_dir: str, kubelet: str = "current", wipe: str = "sockets", on_change=None,
+                 grace: float = GRACE_PERIOD_S, delays: Optional[Dict[str, Delay]] = None,
+                 pod_resources: bool = True, dial_timeout: float = DIAL_TIMEOUT_S):
+        if kubelet not in MODES:
+            raise ValueError(f"kubelet must be one of {MODES}, not {kubelet!r}")
+        unknown = set(delays or ()) - set(DELAY_STEPS)
+        if unknown:
+            raise ValueError(f"unknown delay steps {sorted(unknown)}; known: {DELAY_STEPS}")
         self.dir = plugin_dir
         self.socket = os.path.join(plugin_dir, KUBELET_SOCKET)
+        self.root = os.path.dirname(os.path.abspath(plugin_dir))
+        self.pod_resources_socket = os.path.join(self.root, POD_RESOURCES_DIR, KUBELET_SOCKET) if pod_resources else None
         self.mode = kubelet
         self.wipe_mode = wipe
-        self.cond = threading.Condition()
-        self.clients: Dict[str, Client] = {}
-        self.known: set = set()  # resources restored from the checkpoint, capacity 0 until registered
-        self.registrations: List[dict] = []  # resource, endpoint, at (monotonic), restart
-        self.rejections: List[str] = []
+        self.grace = grace
+        self.delays: Dict[str, Delay] = dict(delays or {})
+        self.dial_timeout = dial_timeout
+        self.cond = threading.Condition()  # an RLock: kubelet's mutexes, never held across a delay or an RPC
+        self._started = 0
+        self.inc = _Incarnation(self, 0)
+        self.inc.alive = False
         self.restarts = 0
         self.updates = 0
+        self.register_calls: List[dict] = []  # every Register: resource, endpoint, at, restart, done_at, error
+        self.registrations: List[dict] = []  # the accepted ones (Register returned OK)
+        self.rejections: List[str] = []  # error texts of the refused ones
+        self.marks: List[int] = []
         self.serving_at: Optional[float] = None
-        self.alive = False
-        self._server: Optional[grpc.Server] = None
         self._on_change = on_change
 
     # --- process life ---------------------------------------------------------
 
-    def start(self) -> None:
-        """What a starting kubelet does: wipe the sockets, then serve kubelet.sock."""
-        os.makedirs(self.dir, exist_ok=True)
-        self.wipe()
-        self._serve()
+    @property
+    def alive(self) -> bool:
+        return self.inc.alive
 
-    def _serve(self) -> None:
-        server = grpc.server(futures.ThreadPoolExecutor(16), handlers=[registration_handler(self)])
+    @property
+    def incarnation(self) -> int:
+        """Which kubelet process this is (1, 2, ...: every start, restart or not)."""
+        return self.inc.n
+
+    def start(self, gap: float = 0.0) -> None:
+        """What a starting kubelet does: restore from the checkpoint, wipe the sockets, serve kubelet.sock."""
+        with self.cond:
+            if self.inc.alive:
+                raise RuntimeError("already running")
+            self._started += 1
+            self.inc = _Incarnation(self, self._started)
+            inc = self.inc
+        os.makedirs(self.dir, exist_ok=True)
+        self._read_checkpoint(inc)
+        self.wipe()
+        if gap:
+            time.sleep(gap)
+        self._serve(inc)
+
+    def _serve(self, inc: _Incarnation) -> None:
+        server = grpc.server(futures.ThreadPoolExecutor(16), handlers=[registration_handler(_Registration(self, inc))])
         if server.add_insecure_port("unix:" + self.socket) == 0:
             raise OSError(f"cannot bind {self.socket}")
-        with self.cond:
-            self.alive = True
         server.start()
-        self._server = server
         with self.cond:
+            inc.servers.append(server)
             self.serving_at = time.monotonic()
             self.cond.notify_all()
+        if self.pod_resources_socket:
+            os.makedirs(os.path.dirname(self.pod_resources_socket), exist_ok=True)
+            try:
+                os.unlink(self.pod_resources_socket)  # kubelet's listener replaces a stale socket
+            except FileNotFoundError:
+                pass
+            pr = grpc.server(futures.ThreadPoolExecutor(4), handlers=[pod_resources_handler(_PodResources(self, inc))])
+            if pr.add_insecure_port("unix:" + self.pod_resources_socket) == 0:
+                raise OSError(f"cannot bind {self.pod_resources_socket}")
+            pr.start()
+            with self.cond:
+                inc.servers.append(pr)
         self._changed()
 
     def kill(self) -> None:
         """What SIGKILL does to kubelet: connections drop, kubelet.sock stays behind, stale."""
         with self.cond:
-            self.alive = False
-            clients = list(self.clients.values())
-            self.known |= set(self.clients)
-            self.clients.clear()
+            inc = self.inc
+            if not inc.alive:
+                return
+            inc.alive = False
+            channels, inc.channels = list(inc.channels), set()
+            servers, inc.servers = list(inc.servers), []
             self.cond.notify_all()
-        for c in clients:
-            c.close()
-        if self._server is not None:
-            self._server.stop(None).wait(5)
-            self._server = None
-        if not os.path.exists(self.socket) and os.path.isdir(self.dir):
-            _stale_socket(self.socket)  # newer grpc unlinks on stop; kubelet's file stays
+        for ch in channels:
+            _close(ch)
+        for s in servers:
+            s.stop(None).wait(5)
+        for path in (self.socket, self.pod_resources_socket):
+            if path and not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):
+                _stale_socket(path)  # newer grpc unlinks on stop; kubelet's file stays
         self._changed()
 
     def restart(self, gap: float = 0.0) -> None:
-        """Die, then start again: the sockets vanish `gap` seconds before kubelet.sock is back."""
+        """Die, then start again back to back (`gap` seconds between the wipe and kubelet.sock)."""
         self.kill()
         with self.cond:
             self.restarts += 1
-        os.makedirs(self.dir, exist_ok=True)
-        self.wipe()
-        time.sleep(gap)
-        self._serve()
+        self.start(gap)
 
     def recreate_socket(self) -> None:
         """What newer kubelets can do without restarting: serve a new kubelet.sock, keep clients."""
-        if self._server is not None:
-            self._server.stop(None).wait(5)  # grpc unlinks the path on stop
-        self._serve()
+        with self.cond:
+            inc = self.inc
+            old = inc.servers[0] if inc.servers else None
+        if old is not None:
+            old.stop(None).wait(5)  # grpc unlinks the path on stop
+        server = grpc.server(futures.ThreadPoolExecutor(16), handlers=[registration_handler(_Registration(self, inc))])
+        if server.add_insecure_port("unix:" + self.socket) == 0:
+            raise OSError(f"cannot bind {self.socket}")
+        server.start()
+        with self.cond:
+            if old is not None:
+                inc.servers.remove(old)
+            inc.servers.insert(0, server)
+            self.serving_at = time.monotonic()
+            self.cond.notify_all()
+        self._changed()
 
     def drop(self, resource: str) -> None:
-        """kubelet ends the plugin's ListAndWatch stream (and forgets the client)."""
+        """The current endpoint's ListAndWatch stream ends on kubelet's side (an HTTP/2 reset);
+        kubelet's teardown then runs as usual."""
         with self.cond:
-            client = self.clients.get(resource)
+            e = self.inc.endpoints.get(resource)
+            client = e.client if e is not None else None
         if client is not None:
-            client.close()
+            client.cancel_stream()
 
     def close(self) -> None:
-        """Test teardown: kill and remove kubelet.sock."""
+        """Test teardown: kill and remove kubelet's sockets."""
         self.kill()
-        try:
-            os.unlink(self.socket)
-        except FileNotFoundError:
-            pass
+        for path in (self.socket, self.pod_resources_socket):
+            try:
+                if path:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def wipe(self) -> None:
+        """CleanupPluginDirectory: the directory's own entries, never recursing; the checkpoint
+        stays; os.Stat follows symlinks; directories are skipped and, in "sockets" mode (1.32 and
+        master), so is everything that is not a socket. "files": very old kubelets' removeContents."""
         for name in os.listdir(self.dir):
             path = os.path.join(self.dir, name)
-            try:
-                mode = os.lstat(path).st_mode
-            except FileNotFoundError:
+            if name == CHECKPOINT:
                 continue
-            doomed = stat.S_ISSOCK(mode) if self.wipe_mode == "sockets" else (not stat.S_ISDIR(mode) and name != CHECKPOINT)
-            if doomed:
+            try:
+                mode = os.stat(path).st_mode
+            except OSError:
+                continue
+            if stat.S_ISDIR(mode) or (self.wipe_mode == "sockets" and not stat.S_ISSOCK(mode)):
+                continue
+            try:
                 os.unlink(path)
+            except FileNotFoundError:
+                pass
 
-    # --- the Registration service -------------------------------------------------
+    # --- Registration (plugin/v1beta1/server.go, handler.go, client.go) ------------------
 
     def Register(self, request, context):
-        problem = _invalid(request)
-        if problem:
-            with self.cond:
-                self.rejections.append(problem)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        channel = grpc.insecure_channel("unix:" + os.path.join(self.dir, request.endpoint), options=_DIAL_OPTIONS)
-        try:
-            grpc.channel_ready_future(channel).result(timeout=DIAL_TIMEOUT_S)
-            client = Client(self, request.resource_name, request.endpoint, channel)
-            client.options = client.stub.GetDevicePluginOptions(pb.Empty(), timeout=10)
-        except (grpc.FutureTimeoutError, grpc.RpcError) as e:
-            channel.close()
-            context.abort(grpc.StatusCode.UNKNOWN, f"failed to dial device plugin: {e!r}")
+        inc = getattr(_TLS, "inc", None) or self.inc
+        name = request.resource_name
+        call = {"resource": name, "endpoint": request.endpoint, "at": time.monotonic(), "restart": self.restarts,
+                "incarnation": inc.n, "done_at": None, "error": None, "client": None}
         with self.cond:
-            if not self.alive:
-                channel.close()
-                context.abort(grpc.StatusCode.UNAVAILABLE, "kubelet is shutting down")
-            old = self.clients.get(request.resource_name)
-            self.clients[request.resource_name] = client
-            self.known.add(request.resource_name)
-            self.registrations.append(
-                {"resource": request.resource_name, "endpoint": request.endpoint, "at": time.monotonic(), "restart": self.restarts}
-            )
+            self.register_calls.append(call)
             self.cond.notify_all()
-        if old is not None and self.mode != "1.32":
-            old.close()  # newer kubelets replace the old client
-        threading.Thread(target=client.run, daemon=True, name=f"law-{request.resource_name}").start()
+        try:
+            problem = _invalid(request)
+            if problem:
+                raise KubeletError(problem)
+            client = self._connect_client(inc, name, request.endpoint)
+            call["client"] = client
+            self._delay("before_return")
+        except KubeletError as e:
+            with self.cond:
+                call["error"] = str(e)
+                call["done_at"] = time.monotonic()
+                self.rejections.append(str(e))
+                self.cond.notify_all()
+            self._changed()
+            context.abort(grpc.StatusCode.UNKNOWN, str(e))  # a plain Go error: codes.Unknown
+        with self.cond:
+            call["done_at"] = time.monotonic()
+            self.registrations.append(call)
+            self.cond.notify_all()
         self._changed()
         return pb.Empty()
 
-    def stream_ended(self, client: Client) -> None:
+    def _connect_client(self, inc: _Incarnation, name: str, endpoint: str) -> Client:
+        path = os.path.join(self.dir, endpoint)
+        c = Client(inc, name, endpoint, path)
         with self.cond:
-            if not self.alive or client.kubelet is not self:
-                return
+            inc.all_clients.append(c)
             if self.mode == "1.32":
-                # One client per resource name: the end of any stream of the
-                # resource disconnects whichever client is registered now.
-                current = self.clients.pop(client.resource, None)
+                inc.handler_clients[name] = c  # registerClient: replaces, the old one is not closed
             else:
-                current = client if self.clients.get(client.resource) is client else None
-                if current is not None:
-                    del self.clients[client.resource]
-            client.connected = False
+                inc.handler_clients.setdefault(name, []).append(c)
+        try:
+            self._delay("before_dial")
+            channel = self._dial(inc, path)
+            with self.cond:  # set even if a teardown's Disconnect ran meanwhile (it found nothing to close)
+                c.channel = channel
+                c.stub = DevicePluginStub(channel)
+            self._delay("after_dial")
+            self._plugin_connected(inc, c)
+        except KubeletError:
+            self._deregister(inc, name, c)
+            raise
+        threading.Thread(target=self._run_client, args=(inc, c), daemon=True, name=f"law-{name}").start()
+        return c
+
+    def _dial(self, inc: _Incarnation, path: str) -> grpc.Channel:
+        with self.cond:
+            if not inc.alive:
+                raise KubeletError("kubelet is shutting down")
+            channel = grpc.insecure_channel("unix:" + path, options=_DIAL_OPTIONS)
+            inc.channels.add(channel)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=self.dial_timeout)
+        except grpc.FutureTimeoutError:
+            _close(channel)
+            raise KubeletError("failed to dial device plugin: context deadline exceeded")
+        return channel
+
+    def _plugin_connected(self, inc: _Incarnation, c: Client) -> None:
+        """ManagerImpl.PluginConnected: options (no timeout in kubelet), then the endpoint."""
+        self._delay("before_options")
+        try:
+            with self.cond:
+                stub = c.stub
+            if stub is None:
+                raise ValueError("closed")
+            options = stub.GetDevicePluginOptions(pb.Empty(), timeout=60)
+        except (grpc.RpcError, ValueError) as e:  # in 1.32 the connection is left open (kubernetes#124716)
+            detail = f"rpc error: code = {e.code().name} desc = {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+            if self.mode != "1.32":
+                _close_client_channel(c)
+            raise KubeletError(f"failed to get device plugin options: {detail}")
+        c.options = options
+        self._delay("before_set_endpoint")
+        with self.cond:
+            if self.mode == "current" and c.path in inc.endpoint_store.get(c.resource, {}):
+                err = f"device plugin already connected: {c.path}"
+            else:
+                err = None
+                e = Endpoint(c.resource, c, c.path, options)
+                inc.endpoints[c.resource] = e
+                if self.mode == "current":
+                    inc.endpoint_store.setdefault(c.resource, {})[c.path] = e
+                self.cond.notify_all()
+        if err:
+            _close_client_channel(c)
+            raise KubeletError(err)
+
+    def _run_client(self, inc: _Incarnation, c: Client) -> None:
+        """runClient: Run, then the teardown, looking the client up again."""
+        self._delay("before_stream")
+        c.run()
+        with self.cond:
+            if not inc.alive:
+                return
+        self._delay("teardown")
+        with self.cond:
+            if self.mode == "1.32":
+                found = inc.handler_clients.get(c.resource)  # BY NAME: maybe a newer client
+            else:
+                found = next((x for x in inc.handler_clients.get(c.resource, []) if x.path == c.path), None)
+        if found is not None:
+            self._delay("teardown_lookup")
+            with self.cond:
+                if not inc.alive:
+                    return
+            self._deregister(inc, c.resource, found)
+            found.disconnect()
+            self._plugin_disconnected(inc, c.resource, found.path)
+        with self.cond:
+            c.torn_down_at = time.monotonic()
             self.cond.notify_all()
-        if current is not None:
-            current.close()
         self._changed()
 
+    def _deregister(self, inc: _Incarnation, name: str, c: Client) -> None:
+        with self.cond:
+            if self.mode == "1.32":
+                inc.handler_clients.pop(name, None)  # delete(s.clients, name): whatever is there now
+            else:
+                lst = inc.handler_clients.get(name, [])
+                if c in lst:
+                    lst.remove(c)
+                if not lst:
+                    inc.handler_clients.pop(name, None)
+
+    def _plugin_disconnected(self, inc: _Incarnation, name: str, path: str) -> None:
+        with self.cond:
+            if not inc.alive:
+                return
+            now = time.monotonic()
+            if self.mode == "1.32":
+                e = inc.endpoints.get(name)
+                if e is not None:
+                    inc.mark_unhealthy(name)
+                    e.stopped_at = now  # whatever endpoint is current
+            else:
+                store = inc.endpoint_store.get(name, {})
+                e = store.pop(path, None)
+                if e is not None:
+                    e.stopped_at = now
+                    if store:  # another endpoint of the resource is still live: it takes over
+                        if inc.endpoints.get(name) is e:
+                            inc.endpoints[name] = list(store.values())[-1]
+                    else:
+                        inc.endpoint_store.pop(name, None)
+                        inc.mark_unhealthy(name)
+            self.cond.notify_all()
+
+    def _delay(self, step: str) -> None:
+        d = self.delays.get(step)
+        if d is None:
+            return
+        s = d() if callable(d) else d
+        if s and s > 0:
+            time.sleep(s)
+
+    # --- pod-resources (apis/podresources/server_v1.go) -------------------------------------
+
+    def get_allocatable_resources(self, inc: Optional[_Incarnation] = None) -> prpb.AllocatableResourcesResponse:
+        inc = inc or self.inc
+        resp = prpb.AllocatableResourcesResponse()
+        with self.cond:
+            inc.get_capacity()  # kubelet's node status sync runs every 10 s; here, at each reading
+            for name, devs in sorted(inc.allocatable_devices().items()):
+                for dev_id, (_health, nodes) in sorted(devs.items()):
+                    if nodes is None:
+                        resp.devices.add(resource_name=name, device_ids=[dev_id])
+                    else:
+                        for n in nodes:
+                            resp.devices.add(resource_name=name, device_ids=[dev_id],
+                                             topology=prpb.TopologyInfo(nodes=[prpb.NUMANode(ID=n)]))
+        return resp
+
     # --- what tests ask ------------------------------------------------------------
+
+    @property
+    def clients(self) -> Dict[str, Client]:
+        """The client behind each resource's current endpoint."""
+        with self.cond:
+            return {n: e.client for n, e in self.inc.endpoints.items() if e.client is not None}
+
+    def current_endpoint(self, resource: str) -> Optional[str]:
+        """The socket file name of the resource's current endpoint (None if none)."""
+        with self.cond:
+            e = self.inc.endpoints.get(resource)
+            return e.name if e is not None else None
+
+    def stopped(self, resource: str) -> Optional[bool]:
+        """Whether the resource's current endpoint is stopped (None: no endpoint)."""
+        with self.cond:
+            e = self.inc.endpoints.get(resource)
+            return None if e is None else e.stopped_at is not None
+
+    def live_streams(self, resource: str) -> List[Client]:
+        """Clients of this kubelet process whose ListAndWatch for `resource` is open."""
+        with self.cond:
+            return [c for c in self.inc.all_clients if c.resource == resource and c.streaming]
 
     def registration_count(self, resource: str) -> int:
         with self.cond:
             return sum(1 for r in self.registrations if r["resource"] == resource)
 
     def capacity(self, resource: str) -> int:
-        """Healthy units kubelet would report as allocatable now."""
+        """The node's allocatable for `resource` (GetCapacity): healthy units, 0 once stopped units
+        are marked unhealthy, gone after the grace period."""
         with self.cond:
-            c = self.clients.get(resource)
-            if c is None or not c.connected:
-                return 0
-            return sum(1 for h in c.devices.values() if h == "Healthy")
+            return self.inc.get_capacity().get(resource, (0, 0))[1] if self.inc.alive else 0
+
+    node_allocatable = capacity
+
+    def allocatable(self, resource: str) -> int:
+        """What pod-resources GetAllocatableResources reports for `resource` (distinct device IDs)."""
+        if not self.inc.alive:
+            return 0
+        resp = self.get_allocatable_resources()
+        return len({i for d in resp.devices if d.resource_name == resource for i in d.device_ids})
 
     def devices(self, resource: str) -> Dict[str, str]:
+        """The device manager's view: every known ID of the resource and its health."""
         with self.cond:
-            c = self.clients.get(resource)
-            return dict(c.devices) if c else {}
+            inc = self.inc
+            out = {i: "Unhealthy" for i in inc.unhealthy.get(resource, ())}
+            out.update({i: "Healthy" for i in inc.healthy.get(resource, ())})
+            return out
 
     def wait(self, predicate, timeout: float = 10.0) -> bool:
         with self.cond:
             return self.cond.wait_for(predicate, timeout)
 
     def wait_connected(self, resource: str, registrations: int = 1, timeout: float = 10.0) -> bool:
-        """Until `resource` has registered at least `registrations` times and its stream is up."""
+        """Until `resource` has registered at least `registrations` times (in all) and the
+        current endpoint is not stopped and its stream is up."""
 
         def ok():
-            c = self.clients.get(resource)
+            e = self.inc.endpoints.get(resource)
             n = sum(1 for r in self.registrations if r["resource"] == resource)
-            return n >= registrations and c is not None and c.connected
+            return n >= registrations and e is not None and e.stopped_at is None and e.client is not None \
+                and e.client.connected
         return self.wait(ok, timeout)
 
-    def allocate(self, resource: str, ids: List[str], timeout: float = 10.0) -> pb.AllocateResponse:
-        """Allocate as kubelet does: one container request, on the registered client."""
+    def allocate(self, resource: str, ids: List[str], timeout: float = 10.0, check_health: bool = False) -> pb.AllocateResponse:
+        """Allocate as kubelet does: one container request, on the current endpoint; kubelet's own
+        refusals raise KubeletError. check_health adds devicesToAllocate's checks."""
         with self.cond:
-            c = self.clients[resource]
+            inc = self.inc
+            e = inc.endpoints.get(resource)
+            if e is None:
+                raise KubeletError(f"unknown Device Plugin {resource}")
+            if check_health:
+                if resource not in inc.healthy:
+                    raise KubeletError(f"cannot allocate unregistered device {resource}")
+                if not inc.healthy[resource]:
+                    raise KubeletError(f"no healthy devices present; cannot allocate unhealthy devices {resource}")
+            if e.stopped_at is not None:
+                raise KubeletError(f"endpoint {e!r} has been stopped")
+            stub = e.client.stub if e.client is not None else None
+        if stub is None:
+            raise KubeletError(f"endpoint {e!r} has no connection")
         req = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
-        return c.stub.Allocate(req, timeout=timeout)
+        try:
+            return stub.Allocate(req, timeout=timeout)
+        except ValueError as err:  # the connection was closed under it
+            raise KubeletError(f"endpoint {e!r}: {err}")
+
+    def mark(self) -> int:
+        """Start a registration round: assert_healthy(since=...) looks only at later Register calls."""
+        with self.cond:
+            return len(self.register_calls)
+
+    def duplicates(self, resource: str, since: int = 0) -> List[tuple]:
+        """Pairs of Register calls for `resource` accepted by one kubelet process, the second
+        arriving before the first's client had been torn down by kubelet."""
+        with self.cond:
+            accepted = [r for r in self.register_calls[since:] if r["resource"] == resource and r["error"] is None
+                        and r["done_at"] is not None]
+            out = []
+            for a, b in zip(accepted, accepted[1:]):
+                if a["incarnation"] != b["incarnation"]:
+                    continue
+                c = a["client"]
+                if c is None or c.torn_down_at is None or c.torn_down_at > b["at"]:
+                    out.append((a, b))
+            return out
+
+    def assert_healthy(self, resource: str, expected: int, since: int = 0, new_registrations: int = 0,
+                       timeout: float = 10.0) -> None:
+        """The healthy end state, waited for up to `timeout`: at least `new_registrations` Register
+        calls of `resource` accepted since `since` (a mark()); kubelet quiet (no Register call in
+        flight, every ended stream torn down); exactly one live ListAndWatch stream for `resource`,
+        on the newest registered socket; that endpoint current and not stopped; allocatable
+        (pod-resources and the node) equal to `expected`; then an Allocate through kubelet's endpoint
+        succeeds, the state still holds, and no duplicate registration since `since`."""
+
+        def problems() -> List[str]:
+            out = []
+            inc = self.inc
+            if not inc.alive:
+                return ["kubelet is not running"]
+            new = [r for r in self.register_calls[since:] if r["resource"] == resource and r["error"] is None
+                   and r["done_at"] is not None]
+            if len(new) < new_registrations:
+                out.append(f"{len(new)} registrations accepted since the mark, expected >= {new_registrations}")
+            busy = [r["endpoint"] for r in self.register_calls if r["done_at"] is None]
+            if busy:
+                out.append(f"Register calls in flight: {busy}")
+            pending = [c for c in inc.all_clients if c.stream_ended_at is not None and c.torn_down_at is None]
+            if pending:
+                out.append(f"teardowns pending: {pending}")
+            accepted = [r for r in self.registrations if r["resource"] == resource and r["incarnation"] == inc.n]
+            if not accepted:
+                return out + [f"no registration of {resource} accepted by kubelet#{inc.n}"]
+            newest = accepted[-1]
+            live = [c for c in inc.all_clients if c.resource == resource and c.streaming]
+            if len(live) != 1:
+                out.append(f"{len(live)} live ListAndWatch streams, not 1: {live}")
+            elif live[0].endpoint != newest["endpoint"] or not live[0].connected:
+                out.append(f"the live stream {live[0]} is not the newest registration's ({newest['endpoint']})")
+            e = inc.endpoints.get(resource)
+            if e is None:
+                out.append("no endpoint")
+            else:
+                if e.stopped_at is not None:
+                    out.append(f"endpoint {e!r} is stopped")
+                if e.name != newest["endpoint"] or e.client is not newest["client"]:
+                    out.append(f"current endpoint {e!r} is not the newest registration's ({newest['endpoint']})")
+            cap = inc.get_capacity().get(resource, (0, 0))[1]
+            if cap != expected:
+                out.append(f"node allocatable {cap} != {expected}")
+            alloc = len({i for i in inc.allocatable_devices().get(resource, {})})
+            if alloc != expected:
+                out.append(f"pod-resources allocatable {alloc} != {expected}")
+            return out
+
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                found = problems()
+                left = deadline - time.monotonic()
+                if not found or left <= 0:
+                    break
+                self.cond.wait(min(left, 0.05))  # device counts also change on the clock (grace period)
+        if found:
+            raise AssertionError(f"{resource}: not in the healthy end state: {'; '.join(found)}\n{self.dump(resource)}")
+        ids = sorted(self.devices(resource))[:1]
+        try:
+            resp = self.allocate(resource, ids, check_health=True)
+        except (KubeletError, grpc.RpcError) as err:
+            raise AssertionError(f"{resource}: Allocate({ids}) through kubelet failed: {err}\n{self.dump(resource)}")
+        if len(resp.container_responses) != 1:
+            raise AssertionError(f"{resource}: Allocate answered {resp}\n{self.dump(resource)}")
+        with self.cond:
+            found = problems()
+        if found:
+            raise AssertionError(f"{resource}: left the healthy end state: {'; '.join(found)}\n{self.dump(resource)}")
+        dup = self.duplicates(resource, since)
+        if dup:
+            pairs = "; ".join(f"{a['endpoint']}@{a['at']:.4f} then {b['endpoint']}@{b['at']:.4f}" for a, b in dup)
+            raise AssertionError(f"{resource}: duplicate registrations in one kubelet process: {pairs}\n{self.dump(resource)}")
+
+    def dump(self, resource: Optional[str] = None, last: int = 12) -> str:
+        """The state, for failure messages."""
+        with self.cond:
+            inc = self.inc
+            t0 = inc.started_at
+            lines = [f"kubelet stand-in mode={self.mode} kubelet#{inc.n} alive={inc.alive} grace={self.grace}s"]
+            calls = [r for r in self.register_calls if resource is None or r["resource"] == resource][-last:]
+            lines.append(f"Register calls (last {len(calls)}; times from kubelet#{inc.n} start):")
+            for r in calls:
+                c = r["client"]
+                lines.append(
+                    f"  kubelet#{r['incarnation']} {r['resource']} {r['endpoint']} at {r['at'] - t0:+.4f}"
+                    f" done {((r['done_at'] or t0) - t0):+.4f} {'ERROR ' + r['error'] if r['error'] else 'OK'}"
+                    + (f" stream {_t(c.stream_started_at, t0)}..{_t(c.stream_ended_at, t0)} torn down {_t(c.torn_down_at, t0)}"
+                       if c else ""))
+            for name, e in sorted(inc.endpoints.items()):
+                if resource is None or name == resource:
+                    lines.append(f"  endpoint {name}: {e!r} stopped={'no' if e.stopped_at is None else _t(e.stopped_at, t0)}"
+                                 f" client={e.client}")
+            for name in sorted(set(inc.healthy) | set(inc.unhealthy)):
+                if resource is None or name == resource:
+                    lines.append(f"  devices {name}: healthy={len(inc.healthy.get(name, ()))}"
+                                 f" unhealthy={len(inc.unhealthy.get(name, ()))}")
+            for name, hc in sorted(inc.handler_clients.items()):
+                if resource is None or name == resource:
+                    lines.append(f"  handler clients {name}: {hc}")
+            live = [c for c in inc.all_clients if c.streaming and (resource is None or c.resource == resource)]
+            lines.append(f"  live streams: {live}")
+        try:
+            lines.append(f"  plugin dir: {sorted(os.listdir(self.dir))}")
+        except OSError as e:
+            lines.append(f"  plugin dir: {e}")
+        return "\n".join(lines)
 
     def state(self) -> dict:
         with self.cond:
+            inc = self.inc
+            caps = inc.get_capacity() if inc.alive else {}
             resources = {}
-            for name in sorted(self.known | set(self.clients)):
-                c = self.clients.get(name)
-                devs = c.devices if c else {}
+            names = set(inc.endpoints) | set(inc.healthy) | {r["resource"] for r in self.registrations}
+            for name in sorted(names):
+                e = inc.endpoints.get(name)
+                c = e.client if e else None
                 resources[name] = {
-                    "endpoint": c.endpoint if c else None,
+                    "endpoint": e.name if e else None,
                     "registrations": sum(1 for r in self.registrations if r["resource"] == name),
-                    "connected": bool(c and c.connected),
-                    "healthy": sum(1 for h in devs.values() if h == "Healthy") if c and c.connected else 0,
-                    "unhealthy": sum(1 for h in devs.values() if h != "Healthy") if c and c.connected else 0,
+                    "connected": bool(c and c.connected and e.stopped_at is None),
+                    "stopped": bool(e and e.stopped_at is not None),
+                    "healthy": len(inc.healthy.get(name, ())),
+                    "unhealthy": len(inc.unhealthy.get(name, ())),
+                    "allocatable": caps.get(name, (0, 0))[1],
+                    "live_streams": sum(1 for x in inc.all_clients if x.resource == name and x.streaming),
                 }
-            return {"pid": os.getpid(), "restarts": self.restarts, "alive": self.alive, "resources": resources}
+            return {"pid": os.getpid(), "mode": self.mode, "restarts": self.restarts, "alive": inc.alive,
+                    "resources": resources}
 
     def write_checkpoint(self) -> None:
-        """As kubelet does after every ListAndWatch message (called with the lock held)."""
-        data = {n: sorted(c.devices) for n, c in self.clients.items()}
+        """As kubelet does after every ListAndWatch message (called with the lock held):
+        the registered resources and their healthy IDs."""
+        data = {"RegisteredDevices": {n: sorted(ids) for n, ids in self.inc.healthy.items()}}
         try:
             fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".checkpoint")
             with os.fdopen(fd, "w") as f:
@@ -297,30 +846,116 @@ class Kubelet:
         except OSError:
             pass  # the directory may be going away under a test
 
+    def _read_checkpoint(self, inc: _Incarnation) -> None:
+        """readCheckpoint: every registered resource comes back with no devices and a stopped endpoint."""
+        try:
+            with open(os.path.join(self.dir, CHECKPOINT)) as f:
+                names = json.load(f).get("RegisteredDevices", {})
+        except (OSError, ValueError, AttributeError):
+            return
+        now = time.monotonic()
+        with self.cond:
+            for name in names:
+                inc.healthy[name] = set()
+                inc.unhealthy[name] = set()
+                inc.endpoints[name] = Endpoint(name, None, None, stopped_at=now)
+
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(self)
 
 
+_TLS = threading.local()  # the kubelet process whose server is handling this thread's call
+
+
+class _Registration:
+    """The v1beta1.Registration servicer of one kubelet process."""
+
+    def __init__(self, kubelet: Kubelet, inc: _Incarnation):
+        self.kubelet = kubelet
+        self.inc = inc
+
+    def Register(self, request, context):
+        _TLS.inc = self.inc  # through the Kubelet's (overridable) method, bound to this process
+        try:
+            return self.kubelet.Register(request, context)
+        finally:
+            _TLS.inc = None
+
+
+class _PodResources:
+    def __init__(self, kubelet: Kubelet, inc: _Incarnation):
+        self.kubelet = kubelet
+        self.inc = inc
+
+    def GetAllocatableResources(self, request, context):
+        return self.kubelet.get_allocatable_resources(self.inc)
+
+    def List(self, request, context):
+        return prpb.ListPodResourcesResponse()  # no pods on this node
+
+
 def _invalid(request) -> Optional[str]:
-    """kubelet's checks on a RegisterRequest."""
+    """kubelet's checks on a RegisterRequest, with its error texts (the endpoint is not checked)."""
     if request.version != API_VERSION:
-        return f"unsupported API version {request.version!r}"
+        return f'requested API version "{request.version}" is not supported by kubelet. Supported version is ["{API_VERSION}"]'
     name = request.resource_name
     domain = name.split("/", 1)[0]
     if "/" not in name or domain == "kubernetes.io" or domain.endswith(".kubernetes.io") or name.startswith("requests."):
-        return f"invalid extended resource name {name!r}"
-    if not request.endpoint or "/" in request.endpoint:
-        return f"endpoint must be a socket file name, got {request.endpoint!r}"
+        return f'the ResourceName "{name}" is invalid'
     return None
+
+
+def _close(channel: grpc.Channel) -> None:
+    # grpc's close takes ~0.2 s (its poller's period); kubelet does not wait for it
+    threading.Thread(target=channel.close, daemon=True).start()
+
+
+def _close_client_channel(c: Client) -> None:
+    with c.inc.kubelet.cond:
+        channel, c.channel, c.stub = c.channel, None, None
+    if channel is not None:
+        _close(channel)
+
+
+def _t(at: Optional[float], t0: float) -> str:
+    return "-" if at is None else f"{at - t0:+.4f}"
 
 
 def _stale_socket(path: str) -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.bind(path)
+    except OSError:
+        pass
     finally:
         s.close()
+
+
+def plugin_sockets(plugin_dir: str, resource: str) -> List[str]:
+    """The plugin's socket files for `resource` in the directory, newest first
+    (`ate.dev-kvm.<instance>-<n>.sock`, or the older fixed `ate.dev-kvm.sock`)."""
+    base = resource.replace("/", "-")
+    paths = glob.glob(os.path.join(glob.escape(plugin_dir), f"{glob.escape(base)}.*.sock"))
+    fixed = os.path.join(plugin_dir, base + ".sock")
+    if os.path.exists(fixed):
+        paths.append(fixed)
+    paths = [p for p in paths if _is_socket(p)]
+    return sorted(paths, key=lambda p: _mtime_ns(p), reverse=True)
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _mtime_ns(path: str) -> int:
+    try:
+        return os.lstat(path).st_mtime_ns
+    except OSError:
+        return 0
 
 
 # --- script -----------------------------------------------------------------------
@@ -340,14 +975,15 @@ def _serve(args) -> int:
         with lock:
             _write_state(args.state, k)
 
-    kubelet = Kubelet(args.plugin_dir, kubelet=args.kubelet, on_change=on_change if args.state else None)
+    kubelet = Kubelet(args.plugin_dir, kubelet=args.kubelet, on_change=on_change if args.state else None,
+                      grace=args.grace, pod_resources=not args.no_pod_resources)
     restart = threading.Event()
     stop = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: restart.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     kubelet.start()
-    print(f"kubelet stand-in serving {kubelet.socket}", flush=True)
+    print(f"kubelet stand-in ({args.kubelet}) serving {kubelet.socket}", flush=True)
     last = None
     while not stop.is_set():
         if restart.wait(0.2):
@@ -364,7 +1000,20 @@ def _serve(args) -> int:
 
 
 def _allocate(args) -> int:
-    channel = grpc.insecure_channel("unix:" + os.path.join(args.plugin_dir, args.resource.replace("/", "-") + ".sock"))
+    """Allocate on the resource's plugin socket: the one named in the stand-in's state file if
+    given, else the newest matching socket in the directory."""
+    path = None
+    if args.state and os.path.exists(args.state):
+        with open(args.state) as f:
+            name = ((json.load(f).get("resources") or {}).get(args.resource) or {}).get("endpoint")
+        path = os.path.join(args.plugin_dir, name) if name else None
+    if path is None:
+        found = plugin_sockets(args.plugin_dir, args.resource)
+        if not found:
+            print(json.dumps({"code": "NOT_FOUND", "details": f"no socket for {args.resource} in {args.plugin_dir}"}))
+            return 1
+        path = found[0]
+    channel = grpc.insecure_channel("unix:" + path)
     req = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=args.ids.split(","))])
     try:
         resp = DevicePluginStub(channel).Allocate(req, timeout=10)
@@ -382,12 +1031,15 @@ def main(argv=None) -> int:
     s = sub.add_parser("serve")
     s.add_argument("--plugin-dir", required=True)
     s.add_argument("--state")
-    s.add_argument("--kubelet", default="1.33", choices=["1.32", "1.33"])
-    s.add_argument("--gap", type=float, default=0.1, help="seconds between the wipe and serving again on restart")
+    s.add_argument("--kubelet", default="current", choices=MODES)
+    s.add_argument("--gap", type=float, default=0.0, help="seconds between the wipe and serving again on restart")
+    s.add_argument("--grace", type=float, default=GRACE_PERIOD_S, help="seconds a stopped endpoint's resource is kept")
+    s.add_argument("--no-pod-resources", action="store_true", help="do not serve <root>/pod-resources/kubelet.sock")
     a = sub.add_parser("allocate")
     a.add_argument("--plugin-dir", required=True)
     a.add_argument("--resource", required=True)
     a.add_argument("--ids", required=True)
+    a.add_argument("--state", help="the serving stand-in's state file, naming the current socket")
     args = p.parse_args(argv)
     return _serve(args) if args.command == "serve" else _allocate(args)
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from atedevd.api import DevicePluginStub, pb
 from bench.rig import fds, rss_kib, threads
-from tests.harness import REPO, RESOURCE, SOCKET_NAME, Daemon, fake_dev_root, wait_until
+from tests.harness import REPO, RESOURCE, Daemon, current_socket, fake_dev_root, wait_until
 from tests.hostile_kubelet import PREFACE, SETTINGS
 from tests.kubelet_standin import Kubelet
 
@@ -44,12 +44,12 @@ def node(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     n = Node()
     n.plugin_dir = str(root / "dp")
-    n.socket = os.path.join(n.plugin_dir, SOCKET_NAME)
     n.kubelet = Kubelet(n.plugin_dir)
     n.kubelet.start()
     n.daemon = Daemon(str(root / "run"), n.plugin_dir, fake_dev_root(str(root / "dev")))
     n.daemon.wait_ready()
     assert n.kubelet.wait_connected(RESOURCE), n.daemon.log()
+    n.socket = current_socket(n.plugin_dir, kubelet=n.kubelet)
     n.channel = grpc.insecure_channel("unix:" + n.socket, options=[("grpc.max_receive_message_length", -1)])
     n.stub = DevicePluginStub(n.channel)
     n.raw = {m: n.channel.unary_unary(f"/v1beta1.DevicePlugin/{m}", request_serializer=lambda b: b, response_deserializer=lambda b: b)

@@ -1,12 +1,13 @@
 """More devices, health both ways, hot-plug and reload: the daemon as a process."""
 
 import os
+import re
 import signal
 
 import grpc
 import pytest
 
-from tests.harness import RESOURCE, wait_until
+from tests.harness import RESOURCE, plugin_sockets, wait_until
 
 KVM_VHOST_FUSE = """
 [[device]]
@@ -51,8 +52,8 @@ def test_several_devices_each_registered_on_its_own_socket(start_daemon, kubelet
     for resource, count in (("ate.dev/kvm", 4096), ("ate.dev/vhost-net", 64), ("ate.dev/fuse", 8)):
         assert kubelet.wait_connected(resource), d.log()
         assert wait_until(lambda: kubelet.capacity(resource) == count, 5)
-    endpoints = sorted(r["endpoint"] for r in kubelet.registrations)
-    assert endpoints == ["ate.dev-fuse.sock", "ate.dev-kvm.sock", "ate.dev-vhost-net.sock"]
+    endpoints = sorted(re.sub(r"^(ate\.dev-[a-z-]+)\.[A-Za-z0-9_-]+\.sock$", r"\1.sock", r["endpoint"]) for r in kubelet.registrations)
+    assert endpoints == ["ate.dev-fuse.sock", "ate.dev-kvm.sock", "ate.dev-vhost-net.sock"]  # one name per registration
     (spec,) = kubelet.allocate("ate.dev/vhost-net", ["vhost-net-3"]).container_responses[0].devices
     assert (spec.host_path, spec.container_path, spec.permissions) == ("/dev/vhost-net", "/dev/vhost-net", "rwm")
     with pytest.raises(grpc.RpcError) as e:
@@ -83,7 +84,7 @@ def test_device_missing_at_start_is_not_advertised_until_it_appears(start_daemon
     d = start_daemon(dev_root=empty_dev)
     d.wait_ready()
     assert wait_until(lambda: "missing, not advertised" in (d.status() or ""), 5), d.status()
-    assert not os.path.exists(os.path.join(plugin_dir, "ate.dev-kvm.sock"))
+    assert plugin_sockets(plugin_dir, RESOURCE) == []
     assert kubelet.registration_count(RESOURCE) == 0
     node(empty_dev, "kvm")
     assert kubelet.wait_connected(RESOURCE, timeout=5), d.log()
@@ -141,7 +142,7 @@ def test_reload_adds_removes_and_leaves_unchanged_alone(start_daemon, kubelet, d
                '[[device]]\nresource = "ate.dev/vhost-net"\npath = "/dev/vhost-net"\n')
     reload(d)
     assert kubelet.wait_connected("ate.dev/vhost-net", timeout=5), d.log()
-    assert not os.path.exists(os.path.join(plugin_dir, "ate.dev-fuse.sock"))
+    assert plugin_sockets(plugin_dir, "ate.dev/fuse") == []
     assert kubelet.wait(lambda: kubelet.capacity("ate.dev/fuse") == 0, 5)
     # unchanged: no new registration, the same stream still open
     assert kubelet.registration_count(RESOURCE) == 1
@@ -176,7 +177,7 @@ def test_invalid_reload_keeps_the_running_config_and_says_so(start_daemon, kubel
     assert "ERROR" in log and str(cfg) in log and "path" in log and "color" in log
     assert d.proc.poll() is None
     assert kubelet.registration_count(RESOURCE) == 1 and kubelet.capacity(RESOURCE) == 4096
-    assert os.path.exists(os.path.join(plugin_dir, "ate.dev-kvm.sock"))
+    assert plugin_sockets(plugin_dir, RESOURCE)
     write(cfg, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
     reload(d)  # fixed: the failure note goes away
     assert wait_until(lambda: "reload failed" not in (d.status() or "reload failed"), 5), d.status()
