@@ -367,6 +367,7 @@ class Registration:
         if now < self._settle_at:
             self._timers["handover"] = self._settle_at
             return
+        log.debug("%s: handover done after %.0f ms", self.name, (now - self._handover_until + HANDOVER_LIMIT_S) * 1000)
         self._register(now)
 
     def _timer_verify(self, now: float) -> None:

@@ -41,7 +41,7 @@ def socket_name(resource: str, run_id: str, n: int) -> str:
 def _leftover_pattern(resources: Iterable[str]) -> "re.Pattern[str]":
     names = "|".join(re.escape(prefix(r)) for r in resources)
     # Ours from any earlier run, and the single fixed name of atedevd 0.1.
-    return re.compile(rf"^(?:{names})(?:\.[{_RUN_ALPHABET}]{{{_RUN_LENGTH}}}-[0-9]+)?\.sock$")
+    return re.compile(rf"^(?:{names})(?:\.[a-z0-9]{{1,16}}-[0-9]+)?\.sock$")
 
 
 def remove_leftovers(plugin_dir: str, resources: Iterable[str]) -> List[str]:

@@ -6,6 +6,8 @@ kubelet version the stand-in models (tests.kubelet_standin.MODES).
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -30,8 +32,12 @@ def dev_root(tmp_path):
 
 
 @pytest.fixture
-def plugin_dir(tmp_path):
-    return str(tmp_path / "device-plugins")
+def plugin_dir():
+    """Short, like kubelet's /var/lib/kubelet/device-plugins: a unix socket path has 107
+    bytes, and pytest's tmp_path would leave too few for the sockets' names."""
+    root = tempfile.mkdtemp(prefix="ate", dir="/tmp")
+    yield os.path.join(root, "device-plugins")
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -48,9 +48,12 @@ def current_socket(plugin_dir: str, resource: str = RESOURCE, kubelet=None) -> O
 
 
 def our_files(plugin_dir: str) -> List[str]:
-    """The plugin directory's entries with our sockets' names normalised to `<resource>.*.sock`."""
+    """The plugin directory's entries with our sockets' names normalised to `<resource>.*.sock`;
+    the stand-in's private `.standin` directory (not kubelet's) is left out."""
     out = []
     for name in sorted(os.listdir(plugin_dir)):
+        if name == ".standin":
+            continue
         if name.startswith("ate.dev-") and name.endswith(".sock"):
             head = name[: -len(".sock")].split(".", 2)
             name = ".".join(head[:2]) + ".*.sock" if len(head) > 2 else name[: -len(".sock")] + ".*.sock"

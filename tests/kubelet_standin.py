@@ -56,6 +56,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -303,11 +304,22 @@ class Kubelet:
             time.sleep(gap)
         self._serve(inc)
 
-    def _serve(self, inc: _Incarnation) -> None:
+    def _listen(self, inc: _Incarnation) -> grpc.Server:
+        """Serve Registration on kubelet.sock. grpc unlinks the path it bound when it
+        stops, where a killed kubelet leaves its file: so bind in a private directory
+        and rename the socket into place (one event, as kubelet's bind makes one)."""
+        private = os.path.join(self.dir, ".standin")
+        os.makedirs(private, exist_ok=True)
+        bound = os.path.join(private, f"k{inc.n}-{time.monotonic_ns() % 10**6}.sock")  # short: sun_path
         server = grpc.server(futures.ThreadPoolExecutor(16), handlers=[registration_handler(_Registration(self, inc))])
-        if server.add_insecure_port("unix:" + self.socket) == 0:
-            raise OSError(f"cannot bind {self.socket}")
+        if server.add_insecure_port("unix:" + bound) == 0:
+            raise OSError(f"cannot bind {bound}")
         server.start()
+        os.rename(bound, self.socket)
+        return server
+
+    def _serve(self, inc: _Incarnation) -> None:
+        server = self._listen(inc)
         with self.cond:
             inc.servers.append(server)
             self.serving_at = time.monotonic()
@@ -340,9 +352,9 @@ class Kubelet:
             _close(ch)
         for s in servers:
             s.stop(None).wait(5)
-        for path in (self.socket, self.pod_resources_socket):
-            if path and not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):
-                _stale_socket(path)  # newer grpc unlinks on stop; kubelet's file stays
+        path = self.pod_resources_socket  # grpc unlinks it on stop; kubelet's file stays
+        if path and not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):
+            _stale_socket(path)
         self._changed()
 
     def restart(self, gap: float = 0.0) -> None:
@@ -358,11 +370,12 @@ class Kubelet:
             inc = self.inc
             old = inc.servers[0] if inc.servers else None
         if old is not None:
-            old.stop(None).wait(5)  # grpc unlinks the path on stop
-        server = grpc.server(futures.ThreadPoolExecutor(16), handlers=[registration_handler(_Registration(self, inc))])
-        if server.add_insecure_port("unix:" + self.socket) == 0:
-            raise OSError(f"cannot bind {self.socket}")
-        server.start()
+            old.stop(None).wait(5)
+        try:
+            os.unlink(self.socket)  # kubelet's listener replaces its socket
+        except FileNotFoundError:
+            pass
+        server = self._listen(inc)
         with self.cond:
             if old is not None:
                 inc.servers.remove(old)
@@ -389,6 +402,7 @@ class Kubelet:
                     os.unlink(path)
             except FileNotFoundError:
                 pass
+        shutil.rmtree(os.path.join(self.dir, ".standin"), ignore_errors=True)
 
     def wipe(self) -> None:
         """CleanupPluginDirectory: the directory's own entries, never recursing; the checkpoint

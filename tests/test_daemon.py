@@ -1,5 +1,6 @@
 """The core daemon, run as a process against a kubelet stand-in that behaves like kubelet."""
 
+import glob
 import os
 import random
 import re
@@ -15,6 +16,7 @@ import hpack
 import pytest
 
 from atedevd.api import DevicePluginStub, pb
+from atedevd.plugin import STREAMS_PER_RESOURCE
 from tests.harness import RESOURCE, current_socket, our_files, plugin_sockets, wait_until
 from tests.kubelet_standin import Kubelet
 
@@ -55,7 +57,13 @@ def test_ready_before_kubelet_and_registers_when_it_appears(start_daemon, plugin
     d = start_daemon()
     ready = d.wait_ready()
     assert "waiting for kubelet" in ready["fields"].get("STATUS", ""), ready  # no kubelet yet
-    assert plugin_sockets(plugin_dir)  # served before kubelet
+    # Served before kubelet: the next socket waits in the standby directory, out of
+    # reach of kubelet's wipe, and answers there.
+    standby = glob.glob(os.path.join(plugin_dir, ".atedevd", "ate.dev-kvm.*.sock"))
+    assert len(standby) == 1 and not plugin_sockets(plugin_dir), os.listdir(plugin_dir)
+    channel = grpc.insecure_channel("unix:" + standby[0])
+    assert len(allocate(DevicePluginStub(channel), ["kvm-1"]).container_responses) == 1
+    channel.close()
     k = Kubelet(plugin_dir)
     k.start()
     try:
@@ -188,19 +196,37 @@ def test_optional_rpcs_answer_sensibly(daemon, plugin_dir):
 
 
 def test_several_concurrent_streams_and_one_failing_does_not_stop_the_server(daemon, kubelet, plugin_dir):
-    channels = [plugin_stub(plugin_dir) for _ in range(3)]
+    """Besides kubelet's stream, each resource has room for two more (a handover,
+    a debugging client); one failing client does not stop the server."""
+    channels = [plugin_stub(plugin_dir) for _ in range(STREAMS_PER_RESOURCE - 1)]
     streams = [stub.ListAndWatch(pb.Empty()) for _, stub in channels]
     firsts = [next(s) for s in streams]
     assert all(len(f.devices) == 4096 for f in firsts)
     streams[0].cancel()  # one client goes away mid-stream
     channels[0][0].close()
-    time.sleep(0.2)
     resp = kubelet.allocate(RESOURCE, ["kvm-0"])
     assert resp.container_responses[0].devices[0].host_path == "/dev/kvm"
     assert kubelet.capacity(RESOURCE) == 4096
     for s in streams[1:]:
         s.cancel()
     for ch, _ in channels[1:]:
+        ch.close()
+
+
+def test_a_refused_stream_is_an_error_in_the_journal_and_status(daemon, kubelet, plugin_dir):
+    """The stream budget is per resource; one stream too many is refused, and said so."""
+    channels = [plugin_stub(plugin_dir) for _ in range(STREAMS_PER_RESOURCE)]
+    streams = [stub.ListAndWatch(pb.Empty()) for _, stub in channels[:-1]]
+    assert all(len(next(s).devices) == 4096 for s in streams)  # kubelet's + these fill the budget
+    with pytest.raises(grpc.RpcError) as e:
+        next(channels[-1][1].ListAndWatch(pb.Empty()))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert wait_until(lambda: "1 stream(s) refused" in (daemon.status() or ""), 5), daemon.status()
+    assert re.search(r"ERROR ate.dev/kvm: refused a ListAndWatch stream .*: 3 already open", daemon.log()), daemon.log()
+    assert kubelet.capacity(RESOURCE) == 4096  # kubelet's own stream is untouched
+    for s in streams:
+        s.cancel()
+    for ch, _ in channels:
         ch.close()
 
 
@@ -217,7 +243,7 @@ def test_kubelet_restart_storm_every_restart_reregistered(daemon, kubelet, plugi
     per_restart = {r["restart"] for r in kubelet.registrations if r["resource"] == RESOURCE}
     assert per_restart == set(range(restarts + 1))
     assert kubelet.capacity(RESOURCE) == 4096
-    assert our_files(plugin_dir) == ["ate.dev-kvm.*.sock", "kubelet.sock", "kubelet_internal_checkpoint"]
+    assert our_files(plugin_dir) == [".atedevd", "ate.dev-kvm.*.sock", "kubelet.sock", "kubelet_internal_checkpoint"]
     log = daemon.log()
     assert "Traceback" not in log
     # one line per state change, not per retry: at most a loss and a re-registration per restart
