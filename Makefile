@@ -2,7 +2,7 @@
 PYTHON ?= /usr/bin/python3
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: deps demo test test-latest bench proto proto-check deb rpm clean
+.PHONY: deps demo test test-latest bench bench-registration proto proto-check deb rpm clean
 
 # Debian 12's own packages: the runtime floor we test, and the tools the tests drive.
 deps:
@@ -22,6 +22,11 @@ test-latest:
 
 bench: deps
 	$(PYTHON) -m bench
+
+# The registration scenario matrix, ROUNDS rounds per scenario and kubelet mode (CI runs 3).
+ROUNDS ?= 1000
+bench-registration: deps
+	ROUNDS=$(ROUNDS) $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_registration.py
 
 # Regenerate the v1beta1 and pod-resources v1 bindings with protoc 3.21 (Debian's protobuf-compiler or grpcio-tools==1.51.3).
 PROTOS := deviceplugin.proto podresources.proto

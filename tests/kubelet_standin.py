@@ -466,7 +466,7 @@ class Kubelet:
                 inc.handler_clients.setdefault(name, []).append(c)
         try:
             self._delay("before_dial")
-            channel = self._dial(inc, path)
+            channel = self._dial_plugin(inc, path)
             with self.cond:  # set even if a teardown's Disconnect ran meanwhile (it found nothing to close)
                 c.channel = channel
                 c.stub = DevicePluginStub(channel)
@@ -478,7 +478,7 @@ class Kubelet:
         threading.Thread(target=self._run_client, args=(inc, c), daemon=True, name=f"law-{name}").start()
         return c
 
-    def _dial(self, inc: _Incarnation, path: str) -> grpc.Channel:
+    def _dial_plugin(self, inc: _Incarnation, path: str) -> grpc.Channel:
         with self.cond:
             if not inc.alive:
                 raise KubeletError("kubelet is shutting down")

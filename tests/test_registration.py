@@ -1,0 +1,239 @@
+"""The registration scenario matrix (issue 9): every way a registration is lost or repeated,
+against each kubelet version the stand-in models (conftest parametrizes `kubelet_mode` for this
+module), with delays injected on the kubelet side at each step of the race (random per call,
+seeded per test), the daemon run as a process, and the healthy END STATE asserted after every
+round (Kubelet.assert_healthy: one live stream on the newest socket, endpoint not stopped,
+allocatable as configured in pod-resources and on the node, an Allocate through kubelet
+succeeds, no duplicate registration in one kubelet process).
+
+ROUNDS (environment, default 3) sets the rounds per scenario; `make bench` can run 1000.
+"""
+
+import os
+import random
+import signal
+import time
+import zlib
+
+import pytest
+
+from tests.harness import RESOURCE, current_socket, plugin_sockets
+from tests.kubelet_standin import DELAY_STEPS, Kubelet
+
+ROUNDS = int(os.environ.get("ROUNDS", "3"))
+MAX_DELAY = 0.030  # per kubelet step
+SETTLE = 15.0  # generous: the end state is waited for, never slept for
+
+
+@pytest.fixture
+def rng(request):
+    seed = zlib.crc32(request.node.nodeid.encode())
+    r = random.Random(seed)
+    r.seed_value = seed
+    return r
+
+
+@pytest.fixture
+def kubelet(plugin_dir, kubelet_mode, rng):
+    """The stand-in with every step of Register and of a stream's teardown delayed by 0–30 ms."""
+    delays = {step: (lambda: rng.uniform(0, MAX_DELAY)) for step in DELAY_STEPS}
+    k = Kubelet(plugin_dir, kubelet=kubelet_mode, delays=delays, grace=5.0)
+    k.start()
+    yield k
+    k.close()
+
+
+@pytest.fixture
+def registered(start_daemon, kubelet, rng):
+    """A daemon registered and in the healthy end state."""
+    d = start_daemon()
+    d.wait_ready()
+    end_state(kubelet, d, rng, since=0, new=1)
+    return d
+
+
+def end_state(k: Kubelet, d, rng, since: int, new: int = 0, expected: int = 4096) -> None:
+    try:
+        k.assert_healthy(RESOURCE, expected, since=since, new_registrations=new, timeout=SETTLE)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nseed {rng.seed_value}; daemon log (tail):\n{d.log()[-3000:]}") from None
+
+
+def write_config(path, count: int = 4096) -> str:
+    with open(path, "w") as f:
+        f.write(f'[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {count}\n')
+    return str(path)
+
+
+# --- kubelet restarts ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gap", ["back-to-back", "random-0-200ms"])
+def test_kubelet_restart(registered, kubelet, rng, gap):
+    for _ in range(ROUNDS):
+        m = kubelet.mark()
+        kubelet.restart(0.0 if gap == "back-to-back" else rng.uniform(0, 0.2))
+        end_state(kubelet, registered, rng, since=m, new=1)
+
+
+def test_our_socket_deleted_then_kubelet_restarts_in_a_separate_batch(registered, kubelet, plugin_dir, rng):
+    """The deletion of our socket and the new kubelet.sock reach the daemon in separate inotify
+    batches (as seen with a real kubelet 1.32): still one registration per kubelet process."""
+    for _ in range(ROUNDS):
+        m = kubelet.mark()
+        os.unlink(current_socket(plugin_dir, kubelet=kubelet))
+        # a short pause: the daemon reads the deletion first (and may start registering)
+        kubelet.wait(lambda: len(kubelet.register_calls) > m, timeout=rng.uniform(0.002, 0.02))
+        kubelet.restart(0.0)
+        end_state(kubelet, registered, rng, since=m, new=1)
+
+
+# --- the same kubelet stays up -------------------------------------------------------------------
+
+
+def test_kubelet_ends_our_stream(registered, kubelet, rng):
+    for _ in range(ROUNDS):
+        m = kubelet.mark()
+        kubelet.drop(RESOURCE)
+        end_state(kubelet, registered, rng, since=m, new=1)
+
+
+def test_our_socket_deleted_by_someone_else(registered, kubelet, plugin_dir, rng):
+    for _ in range(ROUNDS):
+        m = kubelet.mark()
+        os.unlink(current_socket(plugin_dir, kubelet=kubelet))
+        end_state(kubelet, registered, rng, since=m, new=1)
+
+
+def test_kubelet_sock_recreated_without_restart(registered, kubelet, rng):
+    for _ in range(ROUNDS):
+        m = kubelet.mark()
+        kubelet.recreate_socket()
+        end_state(kubelet, registered, rng, since=m, new=1)
+
+
+# --- the daemon restarts -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill-9"])
+def test_daemon_restart(start_daemon, kubelet, rng, plugin_dir, signum):
+    d = start_daemon()
+    d.wait_ready()
+    end_state(kubelet, d, rng, since=0, new=1)
+    for _ in range(ROUNDS):
+        m = kubelet.mark()
+        d.send(signum)
+        d.wait(10)
+        d = start_daemon()
+        d.wait_ready()
+        end_state(kubelet, d, rng, since=m, new=1)
+        left = plugin_sockets(plugin_dir)
+        assert left == [current_socket(plugin_dir, kubelet=kubelet)], f"sockets of earlier runs left: {left}"
+
+
+# --- reload ------------------------------------------------------------------------------------
+
+
+def reload(d) -> None:
+    n = len(d.notify.messages)
+    d.send(signal.SIGHUP)
+    assert d.notify.wait_for("RELOADING", "1", timeout=10, after=n), d.log()
+    assert d.notify.wait_for("READY", "1", timeout=10, after=n), d.log()
+
+
+def test_sighup_with_the_resource_changed(start_daemon, kubelet, rng, tmp_path):
+    cfg = write_config(tmp_path / "c.toml", 4096)
+    d = start_daemon(config=cfg)
+    d.wait_ready()
+    end_state(kubelet, d, rng, since=0, new=1)
+    for i in range(ROUNDS):
+        count = 64 if i % 2 == 0 else 4096
+        m = kubelet.mark()
+        write_config(cfg, count)
+        reload(d)
+        end_state(kubelet, d, rng, since=m, expected=count)
+
+
+def test_sighup_with_the_resource_unchanged_registers_nothing(start_daemon, kubelet, rng, tmp_path):
+    cfg = write_config(tmp_path / "c.toml", 4096)
+    d = start_daemon(config=cfg)
+    d.wait_ready()
+    end_state(kubelet, d, rng, since=0, new=1)
+    stream = kubelet.live_streams(RESOURCE)
+    for _ in range(ROUNDS):
+        m = kubelet.mark()
+        reload(d)  # READY=1 again: the reload is done
+        end_state(kubelet, d, rng, since=m)
+        assert kubelet.register_calls[m:] == [], "an unchanged resource was registered again"
+        assert kubelet.live_streams(RESOURCE) == stream, "the stream of an unchanged resource was replaced"
+
+
+# --- inotify queue overflow ----------------------------------------------------------------------
+
+MAX_QUEUED = "/proc/sys/fs/inotify/max_queued_events"
+
+
+@pytest.fixture
+def small_inotify_queue():
+    """Daemons started inside the `with` get an inotify queue of 16 events (the limit is taken
+    when inotify_init runs); the system-wide value is restored right after."""
+    if not os.access(MAX_QUEUED, os.W_OK):
+        pytest.skip(f"{MAX_QUEUED} is not writable here")
+
+    class Small:
+        def __enter__(self):
+            with open(MAX_QUEUED) as f:
+                self.old = f.read().strip()
+            with open(MAX_QUEUED, "w") as f:
+                f.write("16")
+
+        def __exit__(self, *exc):
+            with open(MAX_QUEUED, "w") as f:
+                f.write(self.old)
+
+    return Small()
+
+
+def test_inotify_queue_overflow_loses_our_socket_deletion(start_daemon, kubelet, rng, plugin_dir, small_inotify_queue):
+    """The deletion of our socket is lost in a queue overflow: the daemon must re-check the
+    state (not re-register blindly, not miss it) and end registered."""
+    with small_inotify_queue:
+        d = start_daemon()
+        d.wait_ready()
+    end_state(kubelet, d, rng, since=0, new=1)
+    for r in range(ROUNDS):
+        m = kubelet.mark()
+        burst = os.path.join(plugin_dir, f"burst-{r}")
+        for i in range(100):  # regular files: kubelet's wipe leaves them alone
+            open(f"{burst}-{i}", "w").close()
+        os.unlink(current_socket(plugin_dir, kubelet=kubelet))
+        for i in range(100, 200):
+            open(f"{burst}-{i}", "w").close()
+        end_state(kubelet, d, rng, since=m, new=1)
+        for i in range(200):
+            os.unlink(f"{burst}-{i}")
+    assert "overflow" in d.log().lower(), "no overflow happened: the test did not test it\n" + d.log()[-2000:]
+
+
+# --- a single stream end is answered at once ---------------------------------------------------
+
+
+def test_single_stream_end_answered_before_the_next_watchdog_ping(start_daemon, kubelet, rng):
+    """Each of several stream ends by kubelet (each after the daemon re-registered) is answered by
+    a new Register before the daemon's second watchdog ping after it (pings every 0.5 s): event
+    order, not a measured time. A retry delay that climbs (to 2 s) fails this."""
+    d = start_daemon(env={"WATCHDOG_USEC": "1000000"})
+    d.wait_ready()
+    end_state(kubelet, d, rng, since=0, new=1)
+    for _ in range(max(ROUNDS, 4)):
+        m = kubelet.mark()
+        ended = kubelet.live_streams(RESOURCE)
+        dropped_at = time.monotonic()
+        kubelet.drop(RESOURCE)
+        assert kubelet.wait(lambda: all(c.stream_ended_at for c in ended), 10)
+        assert kubelet.wait(lambda: len(kubelet.register_calls) > m, 10), d.log()
+        arrived = kubelet.register_calls[m]["at"]
+        assert arrived > max(c.stream_ended_at for c in ended)
+        pings = [x for x in list(d.notify.messages) if x["fields"].get("WATCHDOG") == "1" and dropped_at < x["at"] < arrived]
+        assert len(pings) < 2, f"the new Register came after {len(pings)} watchdog pings\n{d.log()[-2000:]}"
+        end_state(kubelet, d, rng, since=m, new=1)
