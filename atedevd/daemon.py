@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 WARNING, INFO, DEBUG = logging.WARNING, logging.INFO, logging.DEBUG
 # Events after which some may be missing: look at kubelet.sock itself.
+OVERFLOW_SAY_EVERY_S = 60.0
 _LOST_EVENTS = ic.IN_Q_OVERFLOW | ic.IN_DELETE_SELF | ic.IN_MOVE_SELF | ic.IN_IGNORED
 
 
@@ -62,6 +63,7 @@ class Daemon:
         self._stopping = False
         self.exit_code = 0
         self._plugin_dir_was_mount = False  # under systemd, ReadWritePaths= binds it
+        self._overflow_said = -OVERFLOW_SAY_EVERY_S
         self._workers = Workers(MAX_DEVICES)
         self.kubelet = KubeletView(cfg.device_plugin_dir)
         self._ctx = Context(cfg.device_plugin_dir, sockets.new_run_id(), self._workers, self.kubelet, self._post, self._serve_failed)
@@ -164,6 +166,8 @@ class Daemon:
         plugin_dir = os.path.normpath(self.cfg.device_plugin_dir)
         ours = tuple(sockets.prefix(n) + "." for n in self.resources) + (sockets.STANDBY_DIR,)
         created = lost = news = False
+        if any(ev.is_(ic.IN_Q_OVERFLOW) for ev in events):
+            self._overflowed()
         for ev in events:
             lost |= ev.is_(_LOST_EVENTS) or (ev.is_(ic.IN_ISDIR) and ev.is_(ic.IN_CREATE | ic.IN_MOVED_TO))
             if ev.directory != plugin_dir or ev.name.startswith(ours):
@@ -179,6 +183,19 @@ class Daemon:
         if news or lost:  # any news from kubelet's side cuts a retry wait short
             for r in self.resources.values():
                 r.reg.nudge(now)
+
+    def _overflowed(self) -> None:
+        """Said once a minute at most: the kernel dropped events (a burst in a watched directory)."""
+        now = time.monotonic()
+        if now - self._overflow_said < OVERFLOW_SAY_EVERY_S:
+            return
+        self._overflow_said = now
+        try:
+            with open("/proc/sys/fs/inotify/max_queued_events") as f:
+                limit = f" (fs.inotify.max_queued_events is {f.read().strip()})"
+        except OSError:
+            limit = ""
+        event(WARNING, "inotify-overflow", f"the inotify queue overflowed{limit}: events were lost; re-checking kubelet.sock, our sockets and the devices")
 
     # --- serving --------------------------------------------------------------
 

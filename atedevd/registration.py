@@ -170,10 +170,13 @@ class Registration:
         self.state = State.UNSERVED
 
     def kubelet_started(self, now: float) -> None:
-        """A new kubelet.sock: kubelet (re)started and knows nothing of our sockets.
+        """A new kubelet.sock: kubelet restarted, or re-created its socket.
 
-        No handover wait: the kubelet that held our old sockets is gone, and
-        the new one has no client of ours that a late teardown could confuse.
+        A starting kubelet deletes every socket in the directory first. So if
+        ours was deleted, kubelet restarted: no handover wait, the kubelet that
+        held our old sockets is gone and the new one has no client of ours that
+        a late teardown could confuse. If ours is still there, the same kubelet
+        re-created its socket and still holds our client: hand over as usual.
         """
         if self.state in (State.UNSERVED, State.STOPPING, State.STOPPED):
             return
@@ -182,12 +185,14 @@ class Registration:
                 return  # it dialled this kubelet (or fails at once): its outcome decides
             self.call.cancel()  # hanging on a kubelet that is gone
             self.call = None
+        restarted = self.current is None or not self.current.socket_is_ours()
         if self.state in (State.REGISTERED, State.VERIFYING):
-            event(WARNING, "kubelet-restarted", f"{self.name}: kubelet is serving anew; registering again", resource=self.name)
+            how = "kubelet restarted" if restarted else "kubelet serves a new kubelet.sock"
+            event(WARNING, "kubelet-restarted", f"{self.name}: {how}; registering again", resource=self.name)
             self.lost_at = now
         self.redo = None
         self.backoff.reset()
-        self._attempt(now, "kubelet restarted", wait=False)
+        self._attempt(now, "kubelet restarted" if restarted else "new kubelet.sock", wait=not restarted)
 
     def check_socket(self, now: float) -> None:
         """After a plugin-directory event: is the socket kubelet knows still ours?"""
@@ -217,10 +222,10 @@ class Registration:
     def reconfigure(self, device: Device, snapshot: Snapshot, now: float) -> None:
         """The resource's configuration changed on reload: serve it anew, handing over."""
         self.device = device
+        self.snapshot = snapshot  # for the new sockets only: the old one serves the old device
         if self.standby is not None:
             self.standby.stop()
             self.standby = None
-        self.publish(snapshot, now)
         if self.state is State.UNSERVED:
             return
         if self.state in (State.REGISTERED, State.VERIFYING):

@@ -151,7 +151,7 @@ def test_sighup_with_the_resource_changed(start_daemon, kubelet, rng, tmp_path):
         m = kubelet.mark()
         write_config(cfg, count)
         reload(d)
-        end_state(kubelet, d, rng, since=m, expected=count)
+        end_state(kubelet, d, rng, since=m, new=1, expected=count)
 
 
 def test_sighup_with_the_resource_unchanged_registers_nothing(start_daemon, kubelet, rng, tmp_path):
