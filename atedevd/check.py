@@ -53,11 +53,10 @@ def run(cfg: Config, out: TextIO) -> int:
     return EX_READY
 
 
-def check_config(path: str, out: TextIO, required: bool = False, overrides=None,
-                 err: Optional[TextIO] = None) -> int:
+def check_config(path: str, out: TextIO, required: bool = False, err: Optional[TextIO] = None) -> int:
     """`atedevd check-config`: validate without running; 0, or EX_CONFIG with every error on `err`."""
     try:
-        cfg = config.load(path, required=required, overrides=overrides)
+        cfg = config.load(path, required=required)
     except ConfigError as e:
         (err or out).write(f"{e}\nconfig INVALID: {len(e.errors)} error{'s' if len(e.errors) != 1 else ''}\n")
         return config.EX_CONFIG
