@@ -482,6 +482,9 @@ def test_custom_kubelet_root_needs_the_drop_in_that_check_prints(clean):
         node.systemctl("restart", "atedevd")
         wait_until(lambda: (k0s_resource() or {}).get("connected") and k0s_resource().get("healthy") == 4096, 30,
                    "ate.dev/kvm registered with the k0s stand-in", lambda: f"{k0s_resource()}\n{diagnostics(node)}")
+        # inotify works in the sandbox (its calls are in @system-service): no fallback to polling.
+        assert node.journal("-u", "atedevd", "ATEDEVD_EVENT=inotify-unavailable", "-o", "cat").strip() in (
+            "", "-- No entries --")
         rw = node.show("atedevd", "ReadWritePaths")["ReadWritePaths"]
         assert rw.split() == [f"-{K0S_PLUGIN_DIR}"], rw  # the default directory's exception is gone
         p = node.run("atedevd", "check", check=False)
