@@ -55,7 +55,7 @@ def test_nothing_points_outside_the_repository():
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     offenders = []
     for path in files:
-        if path.endswith((".png", ".pyc")) or not os.path.isfile(os.path.join(REPO, path)):
+        if path == "tests/test_docs.py" or not os.path.isfile(os.path.join(REPO, path)):
             continue
         text = read(path)
         for n, line in enumerate(text.splitlines(), 1):
