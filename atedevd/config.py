@@ -98,6 +98,7 @@ def load(path: str, required: bool = False, overrides: Optional[Mapping[str, str
         lines = _Lines(text)
         data = _parse(text, report, lines)
         if data is not None:
+            lines.whole(data)
             cfg = _build(data, lines, report)
         cfg = replace(cfg, source=path)
     cfg = _apply_overrides(cfg, overrides or {}, report)
@@ -184,11 +185,13 @@ class _Lines:
     begins on the line after its longest parsing prefix.
 
     This costs a few parses of the document per line asked for (a binary
-    search), bounded by PARSE_BUDGET bytes per document; past that, problems
-    are reported without a line rather than slowly.
+    search over cached prefixes), bounded by PARSE_BUDGET bytes parsed per
+    document: thousands of lines for a real configuration of a few KiB; a
+    file of hundreds of KiB with thousands of errors gets lines for the first
+    ones and the rest without, in well under a second rather than many.
     """
 
-    PARSE_BUDGET = 16 * MAX_FILE_BYTES
+    PARSE_BUDGET = MAX_FILE_BYTES
 
     def __init__(self, text: str):
         self._lines = text.split("\n")  # TOML lines end at \n only (a \r before it stays on its line)
@@ -200,6 +203,10 @@ class _Lines:
         self._text = text + "\n"
         self._parsed: Dict[int, Optional[dict]] = {0: {}}
         self._budget = self.PARSE_BUDGET
+
+    def whole(self, data: dict) -> None:
+        """The whole document, parsed already."""
+        self._parsed[len(self._lines)] = data
 
     def _prefix(self, n: int) -> Optional[dict]:
         """The first `n` lines, parsed; None when they are not a valid document."""
@@ -235,22 +242,36 @@ class _Lines:
         lo, hi = 0, len(self._lines)  # absent in the first lo lines, present in the first hi
         if not _has(self._prefix(hi), path):
             return None
+        step = 1
+        while lo + step < hi:  # gallop first: what is asked for is mostly near the top
+            n = self._statement_end(lo, lo + step, hi)
+            if n is None:
+                break
+            if _has(self._prefix(n), path):
+                hi = n
+                break
+            lo, step = n, step * 2
         while hi - lo > 1:
-            mid = (lo + hi) // 2
-            n = mid
-            while n > lo and self._prefix(n) is None:  # inside a multi-line value: find a statement end
-                n -= 1
-            if n == lo:
-                n = mid + 1
-                while n < hi and self._prefix(n) is None:
-                    n += 1
-                if n == hi:
-                    break  # no statement ends strictly between lo and hi
+            n = self._statement_end(lo, (lo + hi) // 2, hi)
+            if n is None:
+                break  # no statement ends strictly between lo and hi: one statement spans them
             if _has(self._prefix(n), path):
                 hi = n
             else:
                 lo = n
         return lo + 1  # the statement ending on line hi begins after the last statement end
+
+    def _statement_end(self, lo: int, near: int, hi: int) -> Optional[int]:
+        """A line strictly between lo and hi, as close to `near` as found, where a statement ends."""
+        n = near
+        while n > lo and self._prefix(n) is None:  # inside a multi-line value
+            n -= 1
+        if n > lo:
+            return n
+        n = near + 1
+        while n < hi and self._prefix(n) is None:
+            n += 1
+        return n if n < hi else None
 
 
 class _OutOfBudget(Exception):
