@@ -546,3 +546,12 @@ def test_valid_documents_round_trip(tmp_path, devices, level):
         for d in devices)
     cfg = config.load(write(tmp_path, text))
     assert cfg.devices == tuple(devices) and cfg.log_level == level
+
+
+def test_line_search_work_is_bounded(tmp_path):
+    """Thousands of errors in a big file: all reported, lines for the first ones, in bounded time."""
+    text = "".join(f'[[device]]\nresource = "a.b/c{i}"\npath = "/dev/c{i}"\ncount = 0\n' for i in range(3000))
+    errs = errors(tmp_path, text)
+    assert len(errs) == 3000
+    assert errs[0] == ":4: [[device]] #1 count: must be between 1 and 65536, got 0"
+    assert errs[-1] == ": [[device]] #3000 count: must be between 1 and 65536, got 0"
