@@ -1,6 +1,6 @@
 """Command line: `atedevd run | check | check-config`, and the exit codes systemd sees.
 
-Exit codes: 0 ok, 1 runtime failure (e.g. another instance holds the lock),
+Exit codes: 0 ok, 1 runtime failure (another instance holds the lock, or a crash),
 2 usage, 78 (EX_CONFIG) bad configuration, which the unit does not restart on.
 """
 
@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from typing import List, Optional
 
 from atedevd import __version__, config, instance
@@ -76,9 +77,27 @@ def _run(args, cfg: config.Config) -> int:
         logging.getLogger("atedevd").error("not starting: %s", e)
         return EX_RUNTIME
     overrides = {k: v for k, v in (("device_plugin_dir", args.device_plugin_dir), ("dev_root", args.dev_root), ("log_level", args.log_level)) if v}
-    code = Daemon(cfg, args.config or config.DEFAULT_CONFIG_PATH, args.config is not None, overrides).run()
-    # Our sockets are gone and systemd has STOPPING=1: exit now. Interpreter
-    # shutdown would join gRPC worker threads, one of which may be stuck
-    # sending to a client that stopped reading.
-    logging.shutdown()
-    os._exit(code)
+    code = EX_RUNTIME
+    try:
+        code = Daemon(cfg, args.config or config.DEFAULT_CONFIG_PATH, args.config is not None, overrides).run()
+    except BaseException as e:  # a bug: say so in one line and exit, whatever it was
+        _log_crash(e)
+    finally:
+        # Exit now, crash or not. Interpreter shutdown would join gRPC worker
+        # threads, one of which may be stuck sending to a client that stopped
+        # reading (or, after a crash, serving a stream nobody will end).
+        logging.shutdown()
+        os._exit(code)
+
+
+def _log_crash(e: BaseException) -> None:
+    """One ERROR line naming the exception; the traceback at DEBUG and as a journald field."""
+    trace = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    reason = " ".join(str(e).split()) or "(no message)"
+    log = logging.getLogger("atedevd")
+    try:
+        log.error("crashed, exiting with status %d: %s: %s", EX_RUNTIME, type(e).__name__, reason,
+                  extra={"ATEDEVD_EVENT": "crashed", "ATEDEVD_TRACEBACK": trace})
+        log.debug("crash traceback:\n%s", trace)
+    except Exception:  # logging itself broken: stderr is still the journal under systemd
+        print(f"atedevd: crashed: {type(e).__name__}: {reason}", file=sys.stderr)

@@ -104,6 +104,9 @@ class Daemon:
             deadlines = [r.reg.deadline for r in self.resources.values() if r.reg.deadline is not None]
             if self.notifier.watchdog_interval:
                 deadlines.append(next_watchdog)
+            poll_at = self._watcher.poll_deadline()  # directories inotify could not watch are polled
+            if poll_at is not None:
+                deadlines.append(poll_at)
             timeout = None if not deadlines else max(0, int((min(deadlines) - now) * 1000) + 1)
             for fd, _ in poller.poll(timeout):
                 if fd == self._sig_r:
@@ -113,6 +116,9 @@ class Daemon:
                     self._drain_inbox()
                 else:
                     self._on_fs_events(self._watcher.read())
+            poll_at = self._watcher.poll_deadline()
+            if poll_at is not None and time.monotonic() >= poll_at:
+                self._on_fs_events(self._watcher.read())
             now = time.monotonic()
             for r in list(self.resources.values()):
                 if r.reg.deadline is not None and r.reg.deadline <= now:

@@ -4,6 +4,7 @@ import io
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import tempfile
 
@@ -52,9 +53,10 @@ class Node:
                       devices=devices or config.DEFAULT_DEVICES, **kw)
 
 
-def run(cfg):
+def run(cfg, unit=None):
+    """check.run with atedevd.service's sandbox properties `unit` (None: no such unit)."""
     out = io.StringIO()
-    return check.run(cfg, out), out.getvalue()
+    return check.run(cfg, out, unit=lambda: unit), out.getvalue()
 
 
 def test_all_present_and_kubelet_accepting(node):
@@ -69,7 +71,13 @@ def test_all_present_and_kubelet_accepting(node):
         f"RESOURCE     PATH      {'HOST PATH'.ljust(w)}  PRESENT  TYPE             UNITS\n"
         f"ate.dev/kvm  /dev/kvm  {node.dev}/kvm  yes      char device 1:3  4096 (kvm-0..kvm-4095)\n"
         "\n"
+        "Inside a container a device node keeps its host owner and mode, so a pod that runs as a\n"
+        "non-root user opens it only if that mode lets it (a root pod always can):\n"
+        f"RESOURCE     {'HOST PATH'.ljust(w)}  OWNER      MODE  NON-ROOT CONTAINER CAN OPEN IT\n"
+        f"ate.dev/kvm  {node.dev}/kvm  root:root  0666  yes\n"
+        "\n"
         f"plugin dir    {node.dp.ljust(len(node.sock))}  present\n"
+        f"sandbox       {'atedevd.service'.ljust(len(node.sock))}  unknown (atedevd.service is not loaded here)\n"
         f"kubelet.sock  {node.sock}  accepting connections\n"
         "\n"
         "READY: this node can serve ate.dev/kvm\n")
@@ -263,3 +271,107 @@ def test_process_invalid_config_is_ex_config(node):
 def test_process_check_config_ok(node):
     p = atedevd("check-config", "--config", config_file(node))
     assert p.returncode == 0 and p.stdout.startswith("config OK: ")
+
+
+# --- non-root containers: the host's owner and mode decide -------------------------------
+
+def mknod(node, name, mode, uid=0, gid=0):
+    """A real character device node (1:3, as /dev/null) with the given owner and mode (needs root)."""
+    path = os.path.join(node.dev, name)
+    if os.path.lexists(path):
+        os.unlink(path)
+    os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    os.chown(path, uid, gid)
+    os.chmod(path, mode)
+    return path
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod and chown need root")
+
+
+@needs_root
+@pytest.mark.parametrize("mode, uid, gid, permissions, verdict", [
+    (0o600, 0, 0, "rw", "no"),
+    (0o660, 0, 4242, "rw", "only with supplementalGroups: [4242]"),
+    (0o666, 0, 0, "rw", "yes"),
+    (0o644, 0, 0, "r", "yes"),
+    (0o644, 0, 0, "rw", "no"),
+    (0o640, 0, 4242, "r", "only with supplementalGroups: [4242]"),
+    (0o600, 4343, 0, "rw", "only with runAsUser: 4343"),
+    (0o000, 0, 0, "m", "yes"),
+])
+def test_non_root_verdict_from_owner_and_mode(node, mode, uid, gid, permissions, verdict):
+    node.kubelet()
+    mknod(node, "kvm", mode, uid, gid)
+    code, out = run(node.cfg(Device("ate.dev/kvm", "/dev/kvm", permissions=permissions)))
+    assert code == 0  # a root pod needs nothing: not a readiness problem
+    row = next(line for line in out.splitlines() if line.startswith("ate.dev/kvm") and "NON-ROOT" not in line
+               and f"{mode:04o}" in line)
+    owner = f"{check._user(uid)}:{check._group(gid)}"
+    assert row.split(None, 4) == ["ate.dev/kvm", f"{node.dev}/kvm", owner, f"{mode:04o}", verdict]
+    fixes = "For non-root pods, do one of:" in out
+    assert fixes == (verdict != "yes"), out
+
+
+@needs_root
+def test_non_root_fixes_name_the_runtime_option_and_the_group(node):
+    node.kubelet()
+    mknod(node, "kvm", 0o660, 0, 4242)
+    _, out = run(node.cfg())
+    assert '[plugins."io.containerd.grpc.v1.cri"]   device_ownership_from_security_context = true' in out
+    assert "[crio.runtime]" in out and "device_ownership_from_security_context = true" in out
+    assert "securityContext.supplementalGroups: [4242]" in out
+    mknod(node, "kvm", 0o600)
+    _, out = run(node.cfg())
+    assert "securityContext.supplementalGroups: [<the node's gid>]" in out
+
+
+def test_non_root_section_leaves_out_missing_devices(node):
+    node.kubelet()
+    _, out = run(node.cfg(Device("ate.dev/fuse", "/dev/fuse")))
+    assert "NON-ROOT CONTAINER" not in out
+
+
+# --- the plugin directory in the unit's sandbox ---------------------------------------------
+
+K0S = "/var/lib/k0s/kubelet/device-plugins"
+DEFAULT_UNIT = {"LoadState": "loaded", "ProtectSystem": "strict", "ReadWritePaths": "-/var/lib/kubelet/device-plugins"}
+K0S_UNIT = dict(DEFAULT_UNIT, ReadWritePaths=f"-{K0S}")
+
+
+@pytest.mark.parametrize("plugin_dir, unit, ok", [
+    ("/var/lib/kubelet/device-plugins", DEFAULT_UNIT, True),
+    (K0S, DEFAULT_UNIT, False),
+    (K0S, K0S_UNIT, True),
+    (K0S, dict(DEFAULT_UNIT, ReadWritePaths="/var/lib/k0s"), True),  # a parent is writable
+    (K0S, dict(DEFAULT_UNIT, ReadWritePaths="/var/lib/k0s/kubelet/device"), False),  # a prefix, not a parent
+    (K0S, dict(DEFAULT_UNIT, ProtectSystem="full"), True),  # /var is not read-only then
+    (K0S, None, True),  # no unit: nothing to say
+])
+def test_sandbox_state(plugin_dir, unit, ok):
+    assert check.sandbox_state(plugin_dir, unit)[0] is ok
+
+
+def test_plugin_dir_read_only_in_the_sandbox_prints_the_drop_in(node):
+    node.kubelet()
+    code, out = run(node.cfg(), unit=DEFAULT_UNIT)  # node.dp is not under ReadWritePaths=
+    assert code == 1
+    assert f"  - plugin dir: {node.dp} is read-only in atedevd.service's sandbox" in out
+    drop_in = out[out.index("# /etc/systemd/system/atedevd.service.d/kubelet-root.conf"):]
+    assert drop_in == check.drop_in(node.dp)
+    assert f"ReadWritePaths=-{node.dp}\n" in drop_in and f"ExecStartPre=+/bin/mkdir -p -m 0750 {node.dp}\n" in drop_in
+    code, out = run(node.cfg(), unit=dict(DEFAULT_UNIT, ReadWritePaths=f"-{node.dp}"))
+    assert code == 0 and "kubelet-root.conf" not in out
+
+
+def test_plugin_dir_not_writable_at_all(node, monkeypatch):
+    node.kubelet()
+    real = os.access
+    monkeypatch.setattr(check.os, "access", lambda p, m: False if p == node.dp else real(p, m))
+    code, out = run(node.cfg())
+    assert code == 1 and f"  - plugin dir: {node.dp} is not writable (a read-only mount?)" in out
+
+
+def test_shipped_drop_in_example_is_what_check_prints():
+    with open(os.path.join(REPO, "systemd/atedevd.service.d/kubelet-root.conf.example")) as f:
+        assert f.read() == check.drop_in(K0S)

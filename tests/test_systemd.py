@@ -13,6 +13,7 @@ import fnmatch
 import contextlib
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,7 @@ from tests.container import (
 )
 
 DROPIN_DIR = "/etc/systemd/system/atedevd.service.d"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "/etc/atedevd/config.toml"
 
 
@@ -436,3 +438,61 @@ def test_running_daemon_is_confined(clean):
 
     assert mount_options("/") == "ro" and mount_options("/etc") == "ro" and mount_options("/var/lib/kubelet") == "ro"
     assert mount_options(PLUGIN_DIR) == "rw"
+
+
+# --- a kubelet root other than /var/lib/kubelet (k0s, microk8s, --root-dir) -------------------
+
+K0S_PLUGIN_DIR = "/var/lib/k0s/kubelet/device-plugins"
+K0S_STANDIN = "kubelet-standin-k0s"
+K0S_STATE = "/run/kubelet-standin/k0s.json"
+
+
+def test_custom_kubelet_root_needs_the_drop_in_that_check_prints(clean):
+    """device_plugin_dir alone leaves the directory read-only in the sandbox; `atedevd check` says so
+    and prints a drop-in; with exactly that drop-in the daemon registers with a kubelet there."""
+    node = clean
+    node.run("rm", "-rf", "/var/lib/k0s", K0S_STATE)
+    node.write(CONFIG, f'[daemon]\ndevice_plugin_dir = "{K0S_PLUGIN_DIR}"\n')
+    node.run("mkdir", "-p", "-m", "0750", K0S_PLUGIN_DIR)  # what k0s's kubelet does
+    node.run("systemd-run", f"--unit={K0S_STANDIN}", "--property=KillSignal=SIGTERM", "--",
+             "/usr/bin/python3", f"{TEST_LIB}/kubelet_standin.py", "serve",
+             "--plugin-dir", K0S_PLUGIN_DIR, "--state", K0S_STATE)
+
+    def k0s_resource():
+        p = node.run("cat", K0S_STATE, check=False)
+        if p.returncode != 0 or not p.stdout.strip():
+            return None
+        return json.loads(p.stdout).get("resources", {}).get(RESOURCE, {})
+
+    try:
+        wait_until(lambda: k0s_resource() is not None, 30, "the k0s stand-in's state",
+                   lambda: node.journal("-u", K0S_STANDIN, "-n", "30"))
+
+        # Without the drop-in: the daemon cannot bind there, and check says why and what to install.
+        cur = cursor(node)
+        node.systemctl("start", "atedevd")
+        wait_journal(node, cur, lambda s: "cannot serve on " + K0S_PLUGIN_DIR in s, "serve-failed in the journal")
+        p = node.run("atedevd", "check", check=False)
+        assert p.returncode == 1, p.stdout
+        assert f"plugin dir: {K0S_PLUGIN_DIR} is read-only in atedevd.service's sandbox" in p.stdout, p.stdout
+        printed = p.stdout[p.stdout.index("# /etc/systemd/system/atedevd.service.d/kubelet-root.conf"):]
+        assert f"ReadWritePaths=-{K0S_PLUGIN_DIR}" in printed
+        assert printed == (REPO_ROOT / "systemd/atedevd.service.d/kubelet-root.conf.example").read_text()
+
+        # With it: registered with the kubelet in the custom root, and check is content.
+        dropin(node, "kubelet-root", printed)
+        node.systemctl("restart", "atedevd")
+        wait_until(lambda: (k0s_resource() or {}).get("connected") and k0s_resource().get("healthy") == 4096, 30,
+                   "ate.dev/kvm registered with the k0s stand-in", lambda: f"{k0s_resource()}\n{diagnostics(node)}")
+        # inotify works in the sandbox (its calls are in @system-service): no fallback to polling.
+        assert node.journal("-u", "atedevd", "ATEDEVD_EVENT=inotify-unavailable", "-o", "cat").strip() in (
+            "", "-- No entries --")
+        rw = node.show("atedevd", "ReadWritePaths")["ReadWritePaths"]
+        assert rw.split() == [f"-{K0S_PLUGIN_DIR}"], rw  # the default directory's exception is gone
+        p = node.run("atedevd", "check", check=False)
+        assert p.returncode == 0, p.stdout
+        assert f"{K0S_PLUGIN_DIR} writable (ReadWritePaths=)" in p.stdout
+    finally:
+        node.systemctl("stop", "atedevd", check=False)
+        node.systemctl("stop", K0S_STANDIN, check=False)
+        node.systemctl("reset-failed", K0S_STANDIN, check=False)

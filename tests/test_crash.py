@@ -1,0 +1,94 @@
+"""A crash exits promptly with status 1 and one line saying why.
+
+The daemon has no test hook for this: each test owns a wrapper that imports
+the daemon, replaces one of its methods with one that raises, and runs the
+real CLI (`atedevd.cli.main`), as a separate process.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.harness import REPO, RESOURCE, NotifySocket
+
+# Raises on the loop's thread when the test drops a file named "crash-now" into
+# the plugin directory, while the gRPC server holds kubelet's ListAndWatch stream.
+IN_THE_LOOP = """
+import sys
+import atedevd.daemon
+
+real = atedevd.daemon.Daemon._on_fs_events
+
+def on_fs_events(self, events):
+    if any(e.name == "crash-now" for e in events):
+        raise RuntimeError("injected by the test\\nsecond line of the message")
+    return real(self, events)
+
+atedevd.daemon.Daemon._on_fs_events = on_fs_events
+from atedevd import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+# Raises after the first pass, before the loop (outside its try/finally), once
+# kubelet's ListAndWatch stream is open (it writes its checkpoint on the first
+# message): a gRPC worker thread is then busy with a stream nobody will end, and
+# interpreter shutdown would wait for it for ever.
+BEFORE_THE_LOOP = """
+import os, sys, time
+import atedevd.daemon
+
+plugin_dir = sys.argv[sys.argv.index("--device-plugin-dir") + 1]
+
+def summary(self):
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not os.path.exists(os.path.join(plugin_dir, "kubelet_internal_checkpoint")):
+        time.sleep(0.01)
+    raise RuntimeError("injected by the test\\nsecond line of the message")
+
+atedevd.daemon.Daemon._summary = summary
+from atedevd import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("where", ["in-the-loop", "before-the-loop"])
+def test_crash_exits_1_promptly_with_one_line(tmp_path, plugin_dir, dev_root, kubelet, where):
+    config = tmp_path / "empty.toml"
+    config.write_text("")
+    notify = NotifySocket(str(tmp_path / "notify"))
+    log_path = tmp_path / "daemon.log"
+    env = dict(os.environ, NOTIFY_SOCKET=notify.path, RUNTIME_DIRECTORY=str(tmp_path),
+               PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
+    env.pop("JOURNAL_STREAM", None)
+    env.pop("WATCHDOG_USEC", None)
+    wrapper = IN_THE_LOOP if where == "in-the-loop" else BEFORE_THE_LOOP
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", wrapper, "run", "--config", str(config), "--device-plugin-dir", plugin_dir,
+             "--dev-root", dev_root, "--log-level", "info"],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert kubelet.wait_connected(RESOURCE), log_path.read_text()  # a live stream on a gRPC thread
+        crashed_at = time.monotonic()
+        if where == "in-the-loop":
+            assert notify.wait_for("READY", "1"), log_path.read_text()
+            open(os.path.join(plugin_dir, "crash-now"), "w").close()
+        try:
+            code = proc.wait(5)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running 5 s after the crash; log:\n{log_path.read_text()}")
+        took = time.monotonic() - crashed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        notify.close()
+    text = log_path.read_text()
+    assert code == 1, text
+    assert took < 2.0, (took, text)
+    errors = [line.split(" ", 1)[1] for line in text.splitlines() if " ERROR " in f" {line}"]  # past the timestamp
+    assert errors == ["ERROR crashed, exiting with status 1: RuntimeError: injected by the test second line of the message"], text
+    assert "Traceback" not in text  # at DEBUG, which --log-level info leaves out

@@ -1,0 +1,79 @@
+"""What the README, the manuals and docs/design.md say, held against what the daemon does."""
+
+import os
+import re
+import stat
+import subprocess
+
+from tests.harness import REPO, RESOURCE
+
+
+def read(path: str) -> str:
+    with open(os.path.join(REPO, path), encoding="utf-8") as f:
+        return f.read()
+
+
+def our_sockets(plugin_dir: str):
+    """The daemon's sockets, whatever they are called: every socket but kubelet's."""
+    out = []
+    for name in os.listdir(plugin_dir):
+        path = os.path.join(plugin_dir, name)
+        if name != "kubelet.sock" and stat.S_ISSOCK(os.lstat(path).st_mode):
+            out.append(path)
+    return out
+
+
+def test_socket_mode_is_what_the_docs_say(daemon, kubelet, plugin_dir):
+    [sock] = our_sockets(plugin_dir)
+    st = os.stat(sock)
+    assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o700, os.geteuid())
+    readme, man = read("README.md"), read("man/atedevd.8")
+    assert "mode 0700" in readme and "mode 0700" in man
+    assert "mode 0600" not in readme and "mode 0600" not in man
+
+
+def test_ready_is_sent_after_the_first_pass_even_when_nothing_is_served(start_daemon, tmp_path):
+    """No device node, no plugin directory, no kubelet: READY=1 all the same, and STATUS= says why."""
+    empty_dev = tmp_path / "empty-dev"
+    empty_dev.mkdir()
+    d = start_daemon(dev_root=str(empty_dev))
+    m = d.wait_ready()
+    assert m["fields"]["STATUS"] == f"{RESOURCE}: /dev/kvm missing, not advertised", m
+    assert not os.path.exists(d.plugin_dir)
+    man = read("man/atedevd.8")
+    assert "READY=1 after its first pass over the configuration" in man
+    assert "READY=1 does not mean registered, nor even serving" in man
+
+
+def test_ready_without_a_plugin_directory_waits_for_it(start_daemon):
+    d = start_daemon()  # the fake /dev/kvm exists; kubelet's directory does not
+    m = d.wait_ready()
+    assert m["fields"]["STATUS"] == f"{RESOURCE}: waiting for {d.plugin_dir}", m
+
+
+def test_nothing_points_outside_the_repository():
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    offenders = []
+    for path in files:
+        if path == "tests/test_docs.py" or not os.path.isfile(os.path.join(REPO, path)):
+            continue
+        text = read(path)
+        for n, line in enumerate(text.splitlines(), 1):
+            if re.search(r"\.\./shared|shared/design\.md|/work/", line):
+                offenders.append(f"{path}:{n}: {line.strip()}")
+    assert offenders == []
+
+
+def test_design_document_is_in_the_repository_and_pointed_to():
+    design = read("docs/design.md")
+    for heading in ("## The control loop", "## What kubelet does on the other end", "## Registration",
+                    "## systemd integration", "## The sandbox", "## Configuration"):
+        assert f"\n{heading}\n" in design, heading
+    assert "docs/design.md" in read("README.md")
+    assert "docs/design.md" in read("atedevd/api/deviceplugin.proto")
+
+
+def test_man_page_unit_path_matches_the_deb_and_the_rpm():
+    man = read("man/atedevd.8")
+    assert ".I /lib/systemd/system/atedevd.service" in man  # the .deb on Debian 12 (test_packaging)
+    assert "/usr/lib/systemd/system/atedevd.service" in man  # the .rpm's %{_unitdir}
