@@ -66,6 +66,7 @@ def run(cfg: Config, out: TextIO, unit: Callable[[], Optional[Dict[str, str]]] =
         problems.append(f"kubelet.sock: {sock_text}")
     out.write(_table([("plugin dir", plugin_dir, dir_text), ("sandbox", UNIT, sandbox_text),
                       ("kubelet.sock", sock, sock_text)]) + "\n\n")
+    problems += _kubelet_view(cfg, out)
 
     if problems:
         n = len(problems)
@@ -251,6 +252,56 @@ def drop_in(plugin_dir: str) -> str:
             f"ExecStartPre=+/bin/mkdir -p -m 0750 {plugin_dir}\n"
             "ReadWritePaths=\n"
             f"ReadWritePaths=-{plugin_dir}\n")
+
+
+def kubelet_counts(socket_path: str, timeout: float = 2.0) -> Dict[str, int]:
+    """{resource: device IDs kubelet holds allocatable}, from its pod-resources API.
+    Raises OSError when there is no answer."""
+    import grpc  # only here: the rest of `check` needs no gRPC
+
+    from atedevd.api import PodResourcesStub, prpb
+
+    channel = grpc.insecure_channel("unix:" + socket_path, options=[("grpc.default_authority", "localhost")])
+    try:
+        resp = PodResourcesStub(channel).GetAllocatableResources(prpb.AllocatableResourcesRequest(), timeout=timeout)
+    except grpc.RpcError as e:
+        raise OSError(f"{e.code().name}: {e.details()}") from None
+    finally:
+        channel.close()
+    ids: Dict[str, set] = {}
+    for d in resp.devices:
+        ids.setdefault(d.resource_name, set()).update(d.device_ids)
+    return {name: len(found) for name, found in ids.items()}
+
+
+def _kubelet_view(cfg: Config, out: TextIO) -> List[str]:
+    """What kubelet itself counts, next to what we advertise: the one place a
+    registration that kubelet silently stopped honouring shows."""
+    from atedevd.kubelet import pod_resources_socket  # grpc-free at import
+
+    path = pod_resources_socket(cfg.device_plugin_dir)
+    if not os.path.exists(path):
+        out.write(f"kubelet's view: no pod-resources API at {path}; not shown\n\n")
+        return []
+    try:
+        counts = kubelet_counts(path)
+    except OSError as e:
+        out.write(f"kubelet's view: {path} did not answer ({e}); not shown\n\n")
+        return []
+    rows = [("RESOURCE", "WE ADVERTISE", "KUBELET ALLOCATABLE", "")]
+    problems = []
+    for dev in cfg.devices:
+        ours = dev.count if device_state(dev.host_path(cfg.dev_root))[2] else 0
+        theirs = counts.get(dev.resource, 0)
+        if theirs == ours:
+            verdict = "match"
+        else:
+            verdict = "MISMATCH"
+            why = "is atedevd running and registered?" if theirs == 0 else "kubelet's list is out of date"
+            problems.append(f"{dev.resource}: kubelet counts {theirs} allocatable, we advertise {ours} healthy ({why})")
+        rows.append((dev.resource, str(ours), str(theirs), verdict))
+    out.write(f"kubelet's view (pod-resources {path}):\n{_table(rows)}\n\n")
+    return problems
 
 
 def _dir_state(path: str) -> str:

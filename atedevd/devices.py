@@ -30,11 +30,6 @@ def presence(device: Device, dev_root: str) -> str:
     return f"a {file_type(st.st_mode)}, not a character device"
 
 
-def socket_name(resource: str) -> str:
-    """`ate.dev/kvm` -> `ate.dev-kvm.sock`: one socket per resource, never colliding."""
-    return resource.replace("/", "-") + ".sock"
-
-
 def unit_ids(device: Device) -> tuple:
     """`kvm-0` … `kvm-4095`: the units kubelet counts and hands out."""
     return tuple(device.unit_id(i) for i in range(device.count))

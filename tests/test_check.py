@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 import shutil
 import socket
 import stat
@@ -79,6 +80,8 @@ def test_all_present_and_kubelet_accepting(node):
         f"plugin dir    {node.dp.ljust(len(node.sock))}  present\n"
         f"sandbox       {'atedevd.service'.ljust(len(node.sock))}  unknown (atedevd.service is not loaded here)\n"
         f"kubelet.sock  {node.sock}  accepting connections\n"
+        "\n"
+        f"kubelet's view: no pod-resources API at {node.root}/pod-resources/kubelet.sock; not shown\n"
         "\n"
         "READY: this node can serve ate.dev/kvm\n")
 
@@ -375,3 +378,77 @@ def test_plugin_dir_not_writable_at_all(node, monkeypatch):
 def test_shipped_drop_in_example_is_what_check_prints():
     with open(os.path.join(REPO, "systemd/atedevd.service.d/kubelet-root.conf.example")) as f:
         assert f.read() == check.drop_in(K0S)
+
+
+# --- kubelet's own view, through pod-resources ------------------------------------------
+
+
+class PodResources:
+    """A pod-resources server that lists `counts[resource]` allocatable IDs."""
+
+    def __init__(self, node, counts):
+        import grpc
+        from concurrent import futures
+
+        from atedevd.api import pod_resources_handler
+
+        self.counts = counts
+        path = os.path.join(node.root, "pod-resources", "kubelet.sock")
+        os.makedirs(os.path.dirname(path))
+        self.server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[pod_resources_handler(self)])
+        self.server.add_insecure_port("unix:" + path)
+        self.server.start()
+
+    def GetAllocatableResources(self, request, context):
+        from atedevd.api import prpb
+
+        return prpb.AllocatableResourcesResponse(devices=[
+            prpb.ContainerDevices(resource_name=r, device_ids=[f"x-{i}"]) for r, n in self.counts.items() for i in range(n)])
+
+    def List(self, request, context):
+        from atedevd.api import prpb
+
+        return prpb.ListPodResourcesResponse()
+
+
+def test_kubelet_view_matches(node):
+    node.kubelet()
+    pr = PodResources(node, {"ate.dev/kvm": 4096, "other.io/x": 2})
+    try:
+        code, out = run(node.cfg())
+    finally:
+        pr.server.stop(None)
+    assert "kubelet's view (pod-resources " in out
+    assert re.search(r"ate\.dev/kvm +4096 +4096 +match\n", out), out
+    assert code == 0, out
+
+
+def test_kubelet_view_mismatch_is_a_problem(node):
+    node.kubelet()
+    pr = PodResources(node, {})  # kubelet does not count us: not registered, or a stopped endpoint
+    try:
+        code, out = run(node.cfg())
+    finally:
+        pr.server.stop(None)
+    assert re.search(r"ate\.dev/kvm +4096 +0 +MISMATCH\n", out), out
+    assert code == 1
+    assert "ate.dev/kvm: kubelet counts 0 allocatable, we advertise 4096 healthy (is atedevd running and registered?)" in out
+
+
+def test_kubelet_view_absent_is_said_and_not_a_problem(node):
+    node.kubelet()
+    code, out = run(node.cfg())
+    assert f"kubelet's view: no pod-resources API at {os.path.join(node.root, 'pod-resources', 'kubelet.sock')}; not shown" in out
+    assert code == 0, out
+
+
+def test_process_check_shows_kubelet_counting_the_running_daemon(daemon, kubelet, plugin_dir, dev_root, tmp_path):
+    """End to end: the daemon registered with the stand-in; `atedevd check` reads kubelet's
+    pod-resources and finds its count equal to ours."""
+    cfg = tmp_path / "empty.toml"
+    cfg.write_text("")
+    p = atedevd("check", "--config", str(cfg), "--device-plugin-dir", plugin_dir, "--dev-root", dev_root)
+    assert re.search(r"ate\.dev/kvm +4096 +4096 +match\n", p.stdout), p.stdout + p.stderr
+    kubelet.kill()  # kubelet gone: its pod-resources socket is stale, the view cannot be read
+    p = atedevd("check", "--config", str(cfg), "--device-plugin-dir", plugin_dir, "--dev-root", dev_root)
+    assert "kubelet's view: " in p.stdout and "did not answer" in p.stdout, p.stdout
