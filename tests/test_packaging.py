@@ -323,7 +323,8 @@ def test_source_packages_build(tmp_path):
 
 def test_rpmlint_reports_no_errors(rpm, tmp_path):
     rc = ROOT / "rpm/atedevd.rpmlintrc"
-    r = run("rpmlint", "-r", str(rc), str(rpm), check=False)
+    # One rpmlintrc serves the rpm and the spec: a filter for the spec alone is unused for the rpm.
+    r = run("rpmlint", "--ignore-unused-rpmlintrc", "-r", str(rc), str(rpm), check=False)
     assert re.search(r"\b0 errors\b", r.stdout) and r.returncode == 0, r.stdout + r.stderr
     # The spec itself, with the version the build passes.
     spec = tmp_path / "atedevd.spec"
