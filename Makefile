@@ -2,7 +2,7 @@
 PYTHON ?= /usr/bin/python3
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: deps demo test test-latest bench bench-registration proto proto-check deb rpm clean
+.PHONY: deps demo test test-latest bench bench-registration proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
 
 # Debian 12's own packages: the runtime floor we test, and the tools the tests drive.
 deps:
@@ -38,6 +38,22 @@ deb:
 
 rpm:
 	packaging/build-rpm
+
+# Source packages: the .dsc (+ generated .orig.tar.gz) and the .src.rpm (rpmbuild -ts).
+deb-source:
+	DEB_SOURCE=1 DEB_REVISION='$(DEB_REVISION)' packaging/build-deb
+
+rpm-source:
+	RPM_SOURCE=1 packaging/build-rpm
+
+# Self-contained packages (pinned PyPI wheels, packaging/bundled/requirements.lock) for nodes
+# whose distribution lacks grpcio/protobuf. PYTHON_VERSION: the node's python3 (3.9 ... 3.13).
+PYTHON_VERSION ?= 3.11
+deb-bundled:
+	PYTHON_VERSION='$(PYTHON_VERSION)' DEB_REVISION='$(DEB_REVISION)' packaging/build-bundled deb
+
+rpm-bundled:
+	PYTHON_VERSION='$(PYTHON_VERSION)' packaging/build-bundled rpm
 
 clean:
 	rm -rf build dist .venv-latest *.egg-info .pytest_cache

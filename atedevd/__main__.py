@@ -1,7 +1,7 @@
-"""`python -m atedevd` runs the same CLI as the installed `atedevd` script."""
+"""`python -m atedevd` runs the same command as the installed `atedevd`."""
 
 import sys
 
-from atedevd.cli import main
+from atedevd.launch import main
 
 sys.exit(main())

@@ -11,7 +11,7 @@ import sys
 import traceback
 from typing import List, Optional
 
-from atedevd import __version__, config, instance
+from atedevd import config, instance, launch
 from atedevd.systemd import setup_logging
 
 EX_RUNTIME = 1
@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="atedevd",
         description="Grant host device nodes (e.g. /dev/kvm) to Kubernetes pods via the kubelet device plugin API.",
     )
-    p.add_argument("--version", action="version", version=f"atedevd {__version__}")
+    p.add_argument("--version", action=launch.VersionAction)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run = sub.add_parser("run", help="serve the configured devices to kubelet (what systemd runs)")
     check = sub.add_parser("check", help="can this node serve every configured device? (a table and an exit status)")

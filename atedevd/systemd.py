@@ -1,14 +1,22 @@
 """systemd glue: sd_notify messages and logging to journald or stderr.
 
 Both degrade to nothing special outside systemd: no NOTIFY_SOCKET means no
-notifications, no journal stream (or no systemd-python) means plain lines.
+notifications, no journal stream means plain lines. Structured fields
+(ATEDEVD_RESOURCE= ...) go through systemd-python's JournalHandler where the
+distribution has it, else through NativeJournalHandler below, which speaks
+journald's native protocol itself (the self-contained packages: systemd-python
+has no wheels; see docs/packaging.md).
 """
 
 import logging
 import os
+import re
+import socket
+import struct
 import sys
+import threading
 import time
-from typing import Optional
+from typing import Dict, Optional
 
 import sdnotify
 
@@ -65,6 +73,98 @@ def _watchdog_interval() -> Optional[float]:
         return None
 
 
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+_FIELD = re.compile(r"[A-Z0-9][A-Z0-9_]*\Z")
+# logging level -> syslog priority, as systemd-python maps them
+_PRIORITY = ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6))
+
+
+def _priority(levelno: int) -> int:
+    return next((p for level, p in _PRIORITY if levelno >= level), 7)
+
+
+def encode_fields(fields: Dict[str, object]) -> bytes:
+    """journald's native format: NAME=value lines; a value with a newline as NAME, a
+    little-endian 64-bit length, the bytes, a newline."""
+    out = bytearray()
+    for name, value in fields.items():
+        data = value if isinstance(value, bytes) else str(value).encode("utf-8", "replace")
+        key = name.encode("ascii")
+        if b"\n" in data:
+            out += key + b"\n" + struct.pack("<Q", len(data)) + data + b"\n"
+        else:
+            out += key + b"=" + data + b"\n"
+    return bytes(out)
+
+
+class NativeJournalHandler(logging.Handler):
+    """A logging handler that sends each record as one datagram to journald's native socket,
+    with the fields systemd-python's JournalHandler sends (MESSAGE, PRIORITY, LOGGER,
+    THREAD_NAME, CODE_*) plus the record's extra fields whose names journald accepts.
+    A record too large for a datagram goes in a sealed memfd passed with SCM_RIGHTS, as
+    sd_journal_sendv() does. If journald cannot be reached, the line goes to stderr."""
+
+    def __init__(self, path: str = JOURNAL_SOCKET, **defaults: str) -> None:
+        super().__init__()
+        self.path = path
+        self.defaults = {k: v for k, v in defaults.items() if _FIELD.match(k)}
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self._send_lock = threading.Lock()
+
+    def fields(self, record: logging.LogRecord) -> Dict[str, object]:
+        fields: Dict[str, object] = {"MESSAGE": self.format(record), "PRIORITY": _priority(record.levelno)}
+        fields.update(self.defaults)
+        fields.update(LOGGER=record.name, THREAD_NAME=record.threadName, CODE_FILE=record.pathname,
+                      CODE_LINE=record.lineno, CODE_FUNC=record.funcName)
+        for name, value in record.__dict__.items():
+            if _FIELD.match(name) and not name.startswith("_") and value is not None:
+                fields[name] = value
+        return fields
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.send(encode_fields(self.fields(record)))
+        except Exception:  # never lose the line, never raise into the daemon
+            try:
+                sys.stderr.write(f"{record.levelname} {record.getMessage()}\n")
+                sys.stderr.flush()
+            except Exception:
+                pass
+
+    def send(self, payload: bytes) -> None:
+        with self._send_lock:
+            try:
+                self._sock.sendto(payload, self.path)
+                return
+            except OSError as e:
+                if e.errno not in (90, 105):  # EMSGSIZE, ENOBUFS: too large for a datagram
+                    raise
+            fd = os.memfd_create("atedevd-journal", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.write(fd, payload)
+                import fcntl
+
+                seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL  # type: ignore[attr-defined]
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)  # type: ignore[attr-defined]
+                self._sock.sendmsg([b""], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))], 0, self.path)
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        finally:
+            super().close()
+
+
+def _journal_handler() -> Optional[logging.Handler]:
+    if JournalHandler is not None:
+        return JournalHandler(SYSLOG_IDENTIFIER="atedevd")
+    if os.path.exists(JOURNAL_SOCKET):
+        return NativeJournalHandler(SYSLOG_IDENTIFIER="atedevd")
+    return None
+
+
 def _journal_is_stderr() -> bool:
     """True when systemd connected our stderr to journald (JOURNAL_STREAM=dev:inode)."""
     value = os.environ.get("JOURNAL_STREAM", "")
@@ -89,8 +189,9 @@ def setup_logging(level: str) -> None:
     root.handlers.clear()
     root.propagate = False
     journal = _journal_is_stderr()
-    if journal and JournalHandler is not None:
-        handler: logging.Handler = JournalHandler(SYSLOG_IDENTIFIER="atedevd")
+    native = _journal_handler() if journal else None
+    if native is not None:
+        handler: logging.Handler = native
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(_PlainFormatter(timestamps=not journal))

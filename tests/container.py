@@ -1,4 +1,4 @@
-"""A real systemd for the tests: a cached Debian bookworm rootfs booted with systemd-nspawn.
+"""A real systemd for the tests: a cached Debian rootfs (bookworm by default) booted with systemd-nspawn.
 
     rootfs = cached_rootfs(FULL)           # debootstrap once, reused while the package list is unchanged
     with Container(rootfs) as node:        # a throw-away overlayfs copy, booted, torn down on exit
@@ -6,7 +6,10 @@
         node.systemctl("enable", "--now", "atedevd")
 
 Caches live outside the repository, in $ATEDEVD_TEST_CACHE (default
-/var/cache/atedevd-tests), one directory per package list. A cache is built
+/var/cache/atedevd-tests), one directory per suite and package list. Other Debian
+suites (bullseye, trixie) stand in for other distributions' Python stacks in the
+install tests: RootfsSpec(..., suite="trixie"). All come from the one mirror
+(deb.debian.org serves bullseye, bookworm and trixie alike). A cache is built
 into a temporary directory and renamed into place, so an interrupted build never
 leaves a half rootfs behind. A failed build raises: without network the tests
 fail, they are not skipped.
@@ -49,7 +52,8 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
-SUITE = "bookworm"
+SUITE = "bookworm"  # the default suite: Debian 12, the runtime floor
+SUITES = ("bullseye", "bookworm", "trixie")
 MIRROR = os.environ.get("ATEDEVD_TEST_MIRROR", "http://deb.debian.org/debian")
 CACHE_DIR = Path(os.environ.get("ATEDEVD_TEST_CACHE", "/var/cache/atedevd-tests"))
 SCRATCH_DIR = Path(os.environ.get("ATEDEVD_TEST_SCRATCH", "/var/tmp"))
@@ -85,9 +89,14 @@ class RootfsSpec:
     name: str
     include: Tuple[str, ...]
     download: Tuple[str, ...] = ()
+    suite: str = SUITE
+
+    def __post_init__(self):
+        if self.suite not in SUITES:
+            raise ValueError(f"suite {self.suite!r} is not one of {SUITES}")
 
     def key(self) -> str:
-        blob = json.dumps([LAYOUT, SUITE, "minbase", sorted(self.include), sorted(self.download)])
+        blob = json.dumps([LAYOUT, self.suite, "minbase", sorted(self.include), sorted(self.download)])
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -96,6 +105,17 @@ FULL = RootfsSpec("full", BASE_PACKAGES + RUNTIME_PACKAGES)
 # For the install tests: a node without atedevd's dependencies; apt resolves them from its
 # cache (downloaded when the rootfs was built), so installing the .deb proves its Depends.
 CLEAN = RootfsSpec("clean", BASE_PACKAGES, download=RUNTIME_PACKAGES)
+
+
+def clean(suite: str) -> RootfsSpec:
+    """CLEAN for another suite: trixie's stack is Python 3.13, python3-grpcio 1.51, python3-protobuf 3.21."""
+    return RootfsSpec("clean", BASE_PACKAGES, download=RUNTIME_PACKAGES, suite=suite)
+
+
+def bare(suite: str) -> RootfsSpec:
+    """A node with python3 and systemd and none of atedevd's Python dependencies: for the
+    self-contained packages (bullseye: Python 3.9, whose python3-grpcio 1.30 is too old)."""
+    return RootfsSpec("bare", BASE_PACKAGES + ("python3",), suite=suite)
 
 
 class HarnessError(RuntimeError):
@@ -118,7 +138,7 @@ def _run(argv: Sequence[str], timeout: float = 600, **kw) -> subprocess.Complete
 
 def cached_rootfs(spec: RootfsSpec = FULL) -> Path:
     """The rootfs for `spec`, built with debootstrap on first use (about a minute)."""
-    dest = CACHE_DIR / f"{SUITE}-{spec.name}-{spec.key()}"
+    dest = CACHE_DIR / f"{spec.suite}-{spec.name}-{spec.key()}"
     if dest.is_dir():
         return dest
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
@@ -132,7 +152,7 @@ def cached_rootfs(spec: RootfsSpec = FULL) -> Path:
         try:
             os.chmod(tmp, 0o755)
             _run(["debootstrap", "--variant=minbase", "--include=" + ",".join(spec.include),
-                  SUITE, str(tmp), MIRROR], timeout=1200)
+                  spec.suite, str(tmp), MIRROR], timeout=1200)
             _prepare(tmp, spec)
             os.rename(tmp, dest)
         except BaseException:
@@ -445,12 +465,15 @@ def fake_kvm(node: Container, present: bool = True) -> None:
         node.run("rm", "-f", "/dev/kvm")
 
 
-def start_standin(node: Container, *extra: str) -> None:
-    """kubelet stand-in as a transient unit; creates the plugin directory as kubelet does."""
+def start_standin(node: Container, *extra: str, pythonpath: str = "") -> None:
+    """kubelet stand-in as a transient unit; creates the plugin directory as kubelet does.
+    `pythonpath`: where it finds grpc and atedevd.api on a node without Debian's python3-grpcio
+    (a self-contained package's /usr/lib/atedevd/site-packages:/usr/lib/atedevd)."""
     stop_standin(node)
     node.run("mkdir", "-p", "-m", "0750", "/var/lib/kubelet", PLUGIN_DIR, "/run/kubelet-standin")
     node.run("rm", "-f", STANDIN_STATE)
-    node.run("systemd-run", f"--unit={STANDIN_UNIT}", "--property=KillSignal=SIGTERM", "--",
+    env = [f"--setenv=PYTHONPATH={pythonpath}"] if pythonpath else []
+    node.run("systemd-run", f"--unit={STANDIN_UNIT}", "--property=KillSignal=SIGTERM", *env, "--",
              "/usr/bin/python3", f"{TEST_LIB}/kubelet_standin.py", "serve",
              "--plugin-dir", PLUGIN_DIR, "--state", STANDIN_STATE, *extra)
     wait_until(lambda: standin_state(node) is not None, 30, "kubelet stand-in to write its state",

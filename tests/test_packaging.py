@@ -27,7 +27,7 @@ ENV.pop("VIRTUAL_ENV", None)
 
 # procps: the unit's ExecReload= runs /bin/kill.
 DEB_RUNTIME = {"python3-grpcio", "python3-protobuf", "python3-inotify", "python3-sdnotify", "python3-systemd", "procps"}
-RPM_RUNTIME = {"grpcio", "protobuf", "inotify", "sdnotify", "systemd-python"}
+RPM_RUNTIME = {"grpcio", "protobuf", "systemd-python"}  # inotify and sdnotify are bundled
 PACKER = ROOT / "packaging" / "packer"
 
 
@@ -155,7 +155,7 @@ def test_deb_entry_point_runs_on_debian_python_with_the_shipped_config(deb):
     assert launcher.read_text().splitlines()[0] == "#!/usr/bin/python3"
     env = dict(ENV, PYTHONPATH=str(tree / "usr/lib/python3/dist-packages"))
     r = run("/usr/bin/python3", str(launcher), "--version", env=env, cwd=tree)
-    assert r.stdout.strip() == f"atedevd {VERSION}"
+    assert r.stdout.startswith(f"atedevd {VERSION}\npackage: deb\nruns on: grpcio "), r.stdout
     r = run("/usr/bin/python3", str(launcher), "check-config", "--config", str(tree / "etc/atedevd/config.toml"), env=env, cwd=tree)
     assert r.stdout.startswith("config OK"), r.stdout
     where = run("/usr/bin/python3", "-c", "import atedevd.cli; print(atedevd.__file__)", env=env, cwd=tree).stdout
@@ -209,15 +209,17 @@ def test_rpm_version_release_arch_follow_the_single_version(rpm):
     assert rpmq(rpm, "--qf", "%{NAME} %{VERSION} %{RELEASE} %{ARCH}") == f"atedevd {VERSION} 1 noarch"
 
 
-def test_rpm_installs_the_same_files_in_fedora_places(rpm, deb):
+def test_rpm_installs_the_same_files_in_its_private_directory(rpm, deb):
     paths = set(rpmq(rpm, "-l").split())
     for f in ("/usr/bin/atedevd", "/usr/lib/systemd/system/atedevd.service", "/etc/atedevd/config.toml",
               "/usr/share/man/man8/atedevd.8.gz", "/usr/share/man/man5/atedevd.toml.5.gz",
-              "/usr/share/doc/atedevd/README.md"):
+              "/usr/share/doc/atedevd/README.md", "/usr/share/licenses/atedevd/LICENSE",
+              "/usr/share/licenses/atedevd/inotify-LICENSE", "/usr/share/licenses/atedevd/sdnotify-LICENSE.txt",
+              "/usr/lib/atedevd/site-packages/inotify/calls.py", "/usr/lib/atedevd/site-packages/sdnotify/__init__.py"):
         assert f in paths, f
-    sites = {m.group(1) for p in paths if (m := re.match(r"(/usr/lib/python3[^/]*/(?:site|dist)-packages/)atedevd/__init__\.py$", p))}
-    assert len(sites) == 1, paths
-    site = sites.pop()
+    # Whatever the node's Python: no site directory, no bytecode of the build host's Python.
+    assert not [p for p in paths if re.match(r"/usr/lib/python3|.*\.pyc$|.*__pycache__", p)]
+    site = "/usr/lib/atedevd/"
     packaged = {p.removeprefix(site) for p in paths if p.startswith(site + "atedevd/") and p.endswith((".py", ".proto"))}
     assert packaged == python_package_files()
     # The .deb carries the same package.
@@ -226,7 +228,27 @@ def test_rpm_installs_the_same_files_in_fedora_places(rpm, deb):
     flags = dict(line.split() for line in rpmq(rpm, "--qf", "[%{FILENAMES} %{FILEFLAGS:fflags}\n]").splitlines()
                  if len(line.split()) == 2)
     assert set(flags["/etc/atedevd/config.toml"]) >= {"c", "n"}, "config must be %config(noreplace)"
+    assert "l" in flags["/usr/share/licenses/atedevd/LICENSE"], "LICENSE must be %license"
     assert rpmq(rpm, "--configfiles").split() == ["/etc/atedevd/config.toml"]
+
+
+def test_rpm_launcher_runs_the_packaged_copy_and_names_its_flavour(rpm, tmp_path):
+    run("sh", "-c", f"cd {tmp_path} && rpm2cpio {rpm} | cpio -idm --quiet")
+    lib = tmp_path / "usr/lib/atedevd"
+    code = (f"import sys; sys.path[:0] = [{str(lib)!r}, {str(lib / 'site-packages')!r}]; "
+            "import atedevd, inotify; from atedevd.launch import main; print(atedevd.__file__, inotify.__file__); sys.exit(main(['--version']))")
+    out = run("/usr/bin/python3", "-I", "-c", code).stdout
+    assert out.startswith(f"{lib}/atedevd/__init__.py {lib}/site-packages/inotify/__init__.py\natedevd {VERSION}\npackage: rpm\n"), out
+    launcher = (tmp_path / "usr/bin/atedevd").read_text()
+    assert launcher.startswith("#!/usr/bin/python3 -I\n") and '"/usr/lib/atedevd"' in launcher
+
+
+def test_rpm_bundled_versions_follow_the_lock():
+    lock = (ROOT / "packaging/bundled/requirements.lock").read_text()
+    spec = (ROOT / "rpm/atedevd.spec").read_text()
+    for name in ("inotify", "sdnotify"):
+        pinned = re.search(rf"^{name}==(\S+)", lock, re.M).group(1)
+        assert re.search(rf"^%global {name}_version {re.escape(pinned)}$", spec, re.M), name
 
 
 def test_rpm_requires_every_runtime_dependency(rpm):
@@ -263,25 +285,46 @@ def test_rpm_systemd_scriptlets_do_the_usual_thing(rpm, tmp_path, scriptlet, arg
 
 
 def test_rpm_spec_uses_fedora_macros_when_they_exist():
-    fedora = ["--define", "atedevd_version 9.9.9", "--define", "pyproject_wheel WHEEL_MACRO",
-              "--define", "pyproject_install INSTALL_MACRO", "--define", "pyproject_save_files() SAVE_MACRO %1",
-              "--define", "pyproject_buildrequires BR_MACRO", "--define", "pyproject_files /x/pyproject-files",
+    fedora = ["--define", "atedevd_version 9.9.9", "--define", "fedora 41",
               "--define", "systemd_post() SD_POST %1", "--define", "systemd_preun() SD_PREUN %1",
               "--define", "systemd_postun_with_restart() SD_POSTUN %1", "--define", "systemd_requires Requires(post): SD_REQUIRES",
-              "--define", "_unitdir /usr/lib/systemd/system", "--define", "python3_sitelib /usr/lib/python3.12/site-packages"]
+              "--define", "_unitdir /usr/lib/systemd/system"]
     spec = run("rpmspec", "-P", *fedora, str(ROOT / "rpm/atedevd.spec")).stdout
-    for marker in ("WHEEL_MACRO", "INSTALL_MACRO", "SAVE_MACRO atedevd", "BR_MACRO", "%files -f /x/pyproject-files",
-                   "SD_POST atedevd.service", "SD_PREUN atedevd.service", "SD_POSTUN atedevd.service", "SD_REQUIRES"):
+    for marker in ("SD_POST atedevd.service", "SD_PREUN atedevd.service", "SD_POSTUN atedevd.service", "SD_REQUIRES",
+                   "BuildRequires:  systemd-rpm-macros"):
         assert marker in spec, marker
-    assert "preset atedevd.service" not in spec and "installer" not in spec
+    assert "preset atedevd.service" not in spec
     plain = run("rpmspec", "-P", "--define", "atedevd_version 9.9.9", str(ROOT / "rpm/atedevd.spec")).stdout
-    assert "preset atedevd.service" in plain and "from installer import install" in plain
-    assert "%files -f" not in plain
+    assert "preset atedevd.service" in plain and "systemd-rpm-macros" not in plain
+    # What the plain path runs in %prep/%install/%check, it build-requires.
+    for tool in ("python3", "tar", "gzip"):
+        assert re.search(rf"^BuildRequires:\s+{tool}$", plain, re.M), tool
+    # sdnotify: bundled by default, the distribution's with --without bundled_sdnotify.
+    assert "bundled(python3dist(sdnotify))" in plain
+    dist = run("rpmspec", "-P", "--define", "atedevd_version 9.9.9", "--without", "bundled_sdnotify",
+               str(ROOT / "rpm/atedevd.spec")).stdout
+    assert "Requires:       python3dist(sdnotify)" in dist and "bundled(python3dist(sdnotify))" not in dist
+
+
+def test_source_packages_build(tmp_path):
+    """dpkg-buildpackage -S (3.0 (quilt), the orig tarball generated) and rpmbuild -ts."""
+    env = dict(ENV, DIST_DIR=str(tmp_path))
+    run("make", "-C", str(ROOT), "deb-source", env=env)
+    dsc = tmp_path / f"atedevd_{VERSION}-1.dsc"
+    assert dsc.is_file() and (tmp_path / f"atedevd_{VERSION}.orig.tar.gz").is_file()
+    run("dpkg-source", "-x", str(dsc), str(tmp_path / "x"), cwd=tmp_path)
+    assert (tmp_path / "x/debian/rules").is_file() and (tmp_path / "x/atedevd/daemon.py").is_file()
+    run("make", "-C", str(ROOT), "rpm-source", env=env)
+    srpm = tmp_path / f"atedevd-{VERSION}-1.src.rpm"
+    files = run("rpm", "-qpl", str(srpm)).stdout.split()
+    assert sorted(files) == sorted([f"atedevd-{VERSION}.tar.gz", "atedevd.spec", "inotify-0.2.12-py2.py3-none-any.whl",
+                                    "sdnotify-0.3.2.tar.gz"])
 
 
 def test_rpmlint_reports_no_errors(rpm, tmp_path):
     rc = ROOT / "rpm/atedevd.rpmlintrc"
-    r = run("rpmlint", "-r", str(rc), str(rpm), check=False)
+    # One rpmlintrc serves the rpm and the spec: a filter for the spec alone is unused for the rpm.
+    r = run("rpmlint", "--ignore-unused-rpmlintrc", "-r", str(rc), str(rpm), check=False)
     assert re.search(r"\b0 errors\b", r.stdout) and r.returncode == 0, r.stdout + r.stderr
     # The spec itself, with the version the build passes.
     spec = tmp_path / "atedevd.spec"
@@ -385,3 +428,105 @@ def test_packer_template_references_only_what_it_declares():
         assert (PACKER / script).is_file(), script
     # The variable the template sets is the one the provisioner reads.
     assert "ATEDEVD_PACKAGE=" in code and "${ATEDEVD_PACKAGE:-}" in (PACKER / "install-atedevd.sh").read_text()
+
+
+@pytest.mark.parametrize("manager,package,names", [
+    ("apt-get", "atedevd_1_all.deb", "make deb-bundled PYTHON_VERSION="),
+    ("dnf", "atedevd-1-1.noarch.rpm", "make rpm-bundled PYTHON_VERSION="),
+])
+def test_packer_provisioner_names_the_self_contained_package_when_dependencies_fail(tmp_path, manager, package, names):
+    (tmp_path / package).write_text("")
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    # The package manager refuses (unresolvable dependencies); python3 reports the image's Python.
+    (stub / manager).write_text('#!/bin/sh\n[ "$1" = update ] && exit 0\necho "unmet dependencies" >&2\nexit 100\n')
+    (stub / "python3").write_text('#!/bin/sh\necho 3.10\n')
+    (stub / "systemctl").write_text("#!/bin/sh\nexit 0\n")
+    for p in stub.iterdir():
+        p.chmod(0o755)
+    r = subprocess.run(["/bin/sh", str(PACKER / "install-atedevd.sh")], env={"PATH": str(stub), "ATEDEVD_PACKAGE": package},
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("install-atedevd: ") and "cannot install its dependencies" in last, last
+    assert names + "3.10" in last and "atedevd-bundled" in last, last
+
+
+# ---------------------------------------------------------------- self-contained packages
+
+
+@pytest.fixture(scope="module")
+def bundled39(tmp_path_factory):
+    dist = tmp_path_factory.mktemp("bundled")
+    run("make", "-C", str(ROOT), "deb-bundled", "PYTHON_VERSION=3.9", env=dict(ENV, DIST_DIR=str(dist)))
+    deb = next(dist.glob(f"atedevd-bundled_{VERSION}-1+py39_*.deb"))
+    tree = dist / "tree"
+    run("dpkg-deb", "-x", str(deb), str(tree))
+    return deb, tree
+
+
+def test_bundled_deb_is_small_pinned_and_licensed(bundled39):
+    deb, tree = bundled39
+    assert deb.stat().st_size <= 20 * 1024 * 1024, deb.stat().st_size
+    fields = {k: run("dpkg-deb", "-f", str(deb), k).stdout.strip() for k in ("Package", "Depends", "Conflicts")}
+    assert fields["Package"] == "atedevd-bundled" and fields["Conflicts"] == "atedevd"
+    deps = [d.strip() for d in fields["Depends"].split(",")]
+    assert "python3 (>= 3.9)" in deps and "python3 (<< 3.10)" in deps and "libc6 (>= 2.17)" in deps, deps
+    assert not [d for d in deps if d.startswith(("python3-", "python3-grpcio", "python3-protobuf"))], deps
+    site = tree / "usr/lib/atedevd/site-packages"
+    lock = (ROOT / "packaging/bundled/requirements.lock").read_text()
+    for name, version in re.findall(r"^([a-z-]+)==(\S+)", lock, re.M):
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        assert info.is_dir(), info
+        assert (tree / "usr/share/doc/atedevd-bundled/bundled" / info.name[: -len(".dist-info")]).is_dir(), name
+    assert list(site.glob("grpc/_cython/cygrpc.cpython-39-*.so"))
+    assert not list(tree.rglob("*.pyc")) and not list(tree.rglob("__pycache__"))
+    copyright_ = (tree / "usr/share/doc/atedevd-bundled/copyright").read_text()
+    for spdx in ("Apache-2.0-grpcio", "BSD-3-Clause-protobuf", "GPL-2.0-only-inotify", "MIT-sdnotify"):
+        assert f"License: {spdx}" in copyright_, spdx
+
+
+def test_bundled_package_on_another_python_exits_with_one_clear_line(bundled39):
+    _, tree = bundled39
+    lib = tree / "usr/lib/atedevd"
+    code = (f"import sys; sys.path[:0] = [{str(lib)!r}, {str(lib / 'site-packages')!r}]; "
+            "from atedevd.launch import main; sys.exit(main(['run']))")
+    r = run("/usr/bin/python3", "-I", "-c", code, check=False)
+    assert r.returncode == 1 and r.stdout == "", r
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("atedevd: this self-contained package was built for Python 3.9, but ") and \
+        "PYTHON_VERSION=3.11" in r.stderr, r.stderr
+
+
+def test_a_missing_dependency_is_one_clear_line(tmp_path):
+    # A node without grpc: the launcher names the module and the package to install instead.
+    shadow = tmp_path / "grpc"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('No module named grpc (simulated)')\n")
+    code = (f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {str(ROOT)!r}]; "
+            "from atedevd.launch import main; sys.exit(main(['run']))")
+    r = run("/usr/bin/python3", "-I", "-c", code, check=False)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "cannot import grpc" in r.stderr and "python3-grpcio" in r.stderr and "atedevd-bundled" in r.stderr, r.stderr
+
+
+def test_journald_native_protocol_encoding():
+    from atedevd.systemd import NativeJournalHandler, encode_fields
+
+    assert encode_fields({"A": "x", "B": "two\nlines"}) == b"A=x\nB\n" + (9).to_bytes(8, "little") + b"two\nlines\n"
+    import logging
+    import socket
+
+    path = "\0atedevd-test-journal-%d" % os.getpid()
+    sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sink.bind(path)
+    h = NativeJournalHandler(path, SYSLOG_IDENTIFIER="atedevd")
+    record = logging.LogRecord("atedevd", logging.WARNING, "f.py", 7, "hello %s", ("x",), None, func="fn")
+    record.ATEDEVD_RESOURCE = "ate.dev/kvm"
+    record.lowercase = "dropped"
+    h.emit(record)
+    got = dict(line.split("=", 1) for line in sink.recv(65536).decode().splitlines())
+    assert got["MESSAGE"] == "hello x" and got["PRIORITY"] == "4" and got["ATEDEVD_RESOURCE"] == "ate.dev/kvm"
+    assert got["SYSLOG_IDENTIFIER"] == "atedevd" and got["CODE_LINE"] == "7" and "lowercase" not in got
+    h.close()
+    sink.close()

@@ -1,0 +1,77 @@
+"""The `atedevd` command: check that this Python can run the package, then the CLI.
+
+Every package's /usr/bin/atedevd comes here first, so a package built for another Python,
+or a dependency that is missing, ends in one line naming the problem and exit status 1
+(which the unit restarts on, with the line in `systemctl status`), never a traceback.
+"""
+
+import argparse
+import sys
+from typing import List, Optional
+
+from atedevd import _build
+
+EX_RUNTIME = 1
+# module -> what provides it, per flavour of package
+NEEDED = {
+    "grpc": "grpcio (Debian: python3-grpcio; Fedora/EL: python3-grpcio)",
+    "google.protobuf": "protobuf (Debian: python3-protobuf; Fedora/EL: python3-protobuf)",
+    "inotify.calls": "inotify (Debian: python3-inotify)",
+    "sdnotify": "sdnotify (Debian: python3-sdnotify)",
+}
+SELF_CONTAINED = "atedevd-bundled (make deb-bundled / rpm-bundled PYTHON_VERSION=X.Y)"
+
+
+def problem() -> Optional[str]:
+    """Why this interpreter cannot run atedevd, in one line, or None."""
+    running = "%d.%d" % sys.version_info[:2]
+    if sys.version_info < (3, 9):
+        return f"atedevd needs Python >= 3.9, {sys.executable} is {running}"
+    if _build.PYTHON and _build.PYTHON != running:
+        return (f"this {_build.FLAVOUR} package was built for Python {_build.PYTHON}, but {sys.executable} is "
+                f"Python {running}: install the package built for {running} (PYTHON_VERSION={running})")
+    if sys.version_info < (3, 11):
+        NEEDED.setdefault("tomli", "tomli (Debian: python3-tomli)")
+    for module, provider in NEEDED.items():
+        try:
+            __import__(module)
+        except ImportError as e:
+            hint = "" if _build.FLAVOUR == "self-contained" else f", or use the self-contained package {SELF_CONTAINED}"
+            return f"cannot import {module} ({e}): install {provider}{hint}"
+    return None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    why = problem()
+    if why:
+        print(f"atedevd: {why}", file=sys.stderr)
+        return EX_RUNTIME
+    from atedevd.cli import main as cli_main
+
+    return cli_main(argv)
+
+
+def version_text() -> str:
+    """`atedevd --version`: our version, the package flavour, and the stack it runs on."""
+    from atedevd import __version__
+
+    parts = []
+    for module, dist in (("grpc", "grpcio"), ("google.protobuf", "protobuf")):
+        try:
+            parts.append(f"{dist} {__import__(module, fromlist=['__version__']).__version__}")
+        except ImportError:
+            parts.append(f"{dist} missing")
+    python = "%d.%d.%d" % sys.version_info[:3]
+    return f"atedevd {__version__}\npackage: {_build.FLAVOUR}\nruns on: {', '.join(parts)}, Python {python}"
+
+
+class VersionAction(argparse.Action):
+    """--version: print version_text() (imports grpc, so only when asked) and exit 0."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0,
+                         help=help or "show the version, the package flavour and the grpcio/protobuf in use")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
