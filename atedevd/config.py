@@ -377,10 +377,6 @@ def _build_devices(value, lines: _Lines, report: _Report) -> Tuple[Device, ...]:
         report.add("device: empty array; remove it to keep the default (/dev/kvm) or add [[device]] tables",
                    lines.of("device"))
         return ()
-    if len(value) > MAX_DEVICES:
-        report.add(f"device: {len(value)} [[device]] tables; atedevd serves at most {MAX_DEVICES}",
-                   lines.of("", 0, "device"))
-        return ()
     devices: List[Device] = []
     seen: Dict[Tuple[str, str], int] = {}
     for i, table in enumerate(value):
@@ -417,6 +413,9 @@ def _build_devices(value, lines: _Lines, report: _Report) -> Tuple[Device, ...]:
                            "use a shorter path basename or a smaller count", line)
             else:
                 devices.append(dev)
+    if len(value) > MAX_DEVICES:  # after the tables' own problems: all are said at once
+        report.add(f"device: {len(value)} [[device]] tables; atedevd serves at most {MAX_DEVICES}", None)
+        return ()
     return tuple(devices) if len(devices) == len(value) else ()
 
 

@@ -126,6 +126,8 @@ class PluginServer:
                 os.unlink(self.socket_path)
             except FileNotFoundError:
                 pass
+            except OSError as e:  # e.g. EROFS: the directory was made read-only under us
+                log.debug("cannot remove %s: %s", self.socket_path, e)
         self.inode = None
 
     @property

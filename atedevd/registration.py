@@ -410,6 +410,7 @@ class Registration:
         if held > 0 and now < self._handover_until:
             self._timers["stop"] = now + POLL_S
             return
+        log.debug("%s: kubelet let go of our sockets after %.0f ms (%d still held)", self.name, (now - self._handover_until + STOP_WAIT_S) * 1000, max(held, 0))
         self._close_all()
         self.state = State.STOPPED
 
@@ -552,8 +553,10 @@ class Registration:
         if self.ctx.serve_failed(path, e):
             return False
         error = f"{self.name}: cannot serve on {path}: {e.strerror or e}"
-        if error != self.serve_error:  # retried on every wake-up; said once
+        if self.serve_error is None:  # retried on every wake-up (each with a new name); said once
             event(ERROR, "serve-failed", error, resource=self.name, socket=path)
+        else:
+            log.debug("%s", error)
         self.serve_error = error
         # Retried on a timer too: a directory made writable again (a remount) raises no event.
         self._timers["standby"] = time.monotonic() + self.backoff.next()

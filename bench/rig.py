@@ -26,8 +26,7 @@ class TimedKubelet(Kubelet):
         self.first_message = {}  # id(client) -> monotonic time of its first ListAndWatch message
         self.track_health = False
         self.health = None  # (monotonic time, healthy units) of the newest message
-        self.healthy_at = []  # monotonic times the resource's healthy set became full (4096)
-        self._full = False
+        self.healthy_at = []  # monotonic times a message left all 4096 units healthy in kubelet
 
     def Register(self, request, context):
         now = time.monotonic()
@@ -44,21 +43,9 @@ class TimedKubelet(Kubelet):
             c = self.clients.get(RESOURCE)
             if c is not None:
                 self.health = (now, sum(1 for h in c.devices.values() if h == "Healthy"))
-        full = len(self.inc.healthy.get(RESOURCE, ())) == 4096
-        if full and not self._full:
+        if len(self.inc.healthy.get(RESOURCE, ())) == 4096:
             self.healthy_at.append(now)
-        self._full = full
         super().write_checkpoint()
-
-    def restart(self, gap: float = 0.0) -> None:
-        with self.cond:
-            self._full = False  # the new kubelet restores the resource with nothing healthy
-        super().restart(gap)
-
-    def drop(self, resource: str) -> None:
-        with self.cond:
-            self._full = False  # kubelet marks the devices unhealthy in the teardown
-        super().drop(resource)
 
 
 class BusyCore:

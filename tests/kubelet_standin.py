@@ -311,11 +311,14 @@ class Kubelet:
         private = os.path.join(self.dir, ".standin")
         os.makedirs(private, exist_ok=True)
         bound = os.path.join(private, f"k{inc.n}-{time.monotonic_ns() % 10**6}.sock")  # short: sun_path
+        if len(os.fsencode(bound)) > 107:  # no room: bind in place (grpc will unlink it on stop)
+            bound = self.socket
         server = grpc.server(futures.ThreadPoolExecutor(16), handlers=[registration_handler(_Registration(self, inc))])
         if server.add_insecure_port("unix:" + bound) == 0:
             raise OSError(f"cannot bind {bound}")
         server.start()
-        os.rename(bound, self.socket)
+        if bound != self.socket:
+            os.rename(bound, self.socket)
         return server
 
     def _serve(self, inc: _Incarnation) -> None:

@@ -552,6 +552,16 @@ def test_line_search_work_is_bounded(tmp_path):
     """Thousands of errors in a big file: all reported, lines for the first ones, in bounded time."""
     text = "".join(f'[[device]]\nresource = "a.b/c{i}"\npath = "/dev/c{i}"\ncount = 0\n' for i in range(3000))
     errs = errors(tmp_path, text)
-    assert len(errs) == 3000
+    assert len(errs) == 3001
     assert errs[0] == ":4: [[device]] #1 count: must be between 1 and 65536, got 0"
-    assert errs[-1] == ": [[device]] #3000 count: must be between 1 and 65536, got 0"
+    assert errs[-2] == ": [[device]] #3000 count: must be between 1 and 65536, got 0"
+    assert errs[-1] == ": device: 3000 [[device]] tables; atedevd serves at most 32"
+
+
+def test_at_most_32_devices(tmp_path):
+    """Each device holds up to three ListAndWatch threads of a pool sized at start: a 33rd is refused."""
+    table = lambda i: f'[[device]]\nresource = "a.b/c{i}"\npath = "/dev/c{i}"\n'  # noqa: E731
+    assert errors(tmp_path, "".join(table(i) for i in range(33))) == [": device: 33 [[device]] tables; atedevd serves at most 32"]
+    path = tmp_path / "ok.toml"
+    path.write_text("".join(table(i) for i in range(32)))
+    assert len(config.load(str(path), required=True).devices) == 32
