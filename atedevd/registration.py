@@ -53,6 +53,10 @@ WARN_AFTER_S = 5.0  # failing this long after a first registration: say so as a 
 WARN_EVERY_S = 60.0  # ... and again at most this often
 # A Register started this long before the newest kubelet.sock appeared went to the old one.
 OLD_KUBELET_MARGIN_S = 0.1
+# Re-registering this many times in a row without kubelet counting us: stop acting on the
+# check (say so, keep reporting it), so that a kubelet we misread is never hammered.
+CHECK_MAX_REREGISTRATIONS = 3
+REFUSED_SAY_EVERY_S = 60.0
 
 
 class State(enum.Enum):
@@ -125,6 +129,9 @@ class Registration:
         self._settle_at: Optional[float] = None
         self._check: Optional[AllocatableCall] = None
         self._mismatches = 0
+        self._check_reregistrations = 0  # in a row, without kubelet's count matching since
+        self._n_registers = 0  # Register calls made
+        self._refused_said = -REFUSED_SAY_EVERY_S
         # What `describe` and the journal tell.
         self.registrations = 0
         self.registered_at: Optional[float] = None
@@ -185,7 +192,7 @@ class Registration:
                 return  # it dialled this kubelet (or fails at once): its outcome decides
             self.call.cancel()  # hanging on a kubelet that is gone
             self.call = None
-        restarted = self.current is None or not self.current.socket_is_ours()
+        restarted = not any(s.socket_is_ours() for s in self._kubelet_held())
         if self.state in (State.REGISTERED, State.VERIFYING):
             how = "kubelet restarted" if restarted else "kubelet serves a new kubelet.sock"
             event(WARNING, "kubelet-restarted", f"{self.name}: {how}; registering again", resource=self.name)
@@ -272,7 +279,9 @@ class Registration:
         now = time.monotonic()
         if kind == STREAM_REFUSED:
             self.refused_streams += 1
-            event(ERROR, "stream-refused", f"{self.name}: refused a ListAndWatch stream on {server.socket_path}: {STREAMS_PER_RESOURCE} already open for this resource", resource=self.name, socket=server.socket_path)
+            if now - self._refused_said >= REFUSED_SAY_EVERY_S:  # a flood of them is one line a minute
+                self._refused_said = now
+                event(ERROR, "stream-refused", f"{self.name}: refused a ListAndWatch stream on {server.socket_path}: {STREAMS_PER_RESOURCE} already open for this resource ({self.refused_streams} refused so far)", resource=self.name, socket=server.socket_path)
             return
         if server is not self.current:
             return  # an old socket's stream, already handed over
@@ -334,12 +343,19 @@ class Registration:
         self.kubelet_count = count
         if count == expected or expected == 0:
             self._mismatches = 0
+            self._check_reregistrations = 0
             self._timers["check"] = now + CHECK_EVERY_S
             return
         self._mismatches += 1
         if self._mismatches < 2:
             self._timers["check"] = now + CHECK_CONFIRM_S
             return
+        if self._check_reregistrations >= CHECK_MAX_REREGISTRATIONS:
+            if self._mismatches == 2:
+                event(WARNING, "not-counted", f"{self.name}: kubelet still lists {count} of our {expected} devices as allocatable after {CHECK_MAX_REREGISTRATIONS} registrations; no longer registering again for that (STATUS= keeps showing kubelet's count)", resource=self.name)
+            self._timers["check"] = now + CHECK_EVERY_S
+            return
+        self._check_reregistrations += 1
         event(WARNING, "not-counted", f"{self.name}: kubelet does not count our devices (pod-resources lists {count} of {expected} as allocatable) although we are registered; registering again", resource=self.name)
         self.lost_at = now
         self._attempt(now, "kubelet does not count our devices")
@@ -448,6 +464,10 @@ class Registration:
         """Rename the standby into place (so it cannot have been wiped) and Register it."""
         if not self._promote():
             return
+        path = self.current.socket_path
+        level = INFO if self.registrations == 0 and self._n_registers == 0 else DEBUG
+        event(level, "serving", f"{self.name}: serving {self.device.count} units of {self.device.path} on {path}", resource=self.name, device=self.device.path, socket=path)
+        self._n_registers += 1
         self.state = State.REGISTERING
         self.call = RegisterCall(
             self.ctx.plugin_dir,

@@ -50,6 +50,45 @@ def mknod(path):
     return fn
 
 
+def own_listener_listed():
+    """Bind a socket in a subdirectory of the plugin dir, rename it into place (as the standby
+    is), accept a connection and find it in /proc/self/net/unix under its bind path: what the
+    handover reads to know that kubelet let go of an old socket."""
+    sub = os.path.join(PLUGIN_DIR, ".atedevd-probe")
+    os.makedirs(sub, exist_ok=True)
+    bound, placed = os.path.join(sub, "p.sock"), os.path.join(PLUGIN_DIR, "atedevd-probe.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(bound)
+        listener.listen(1)
+        os.rename(bound, placed)
+        client = socket.socket(socket.AF_UNIX)
+        client.connect(placed)
+        conn, _ = listener.accept()
+        with open("/proc/self/net/unix") as f:
+            listed = sum(1 for line in f if line.rstrip("\n").split(None, 7)[7:] == [bound] and line.split()[5] == "03")
+        conn.close()
+        client.close()
+        if listed != 1:
+            raise OSError(errno.ENOENT, "accepted connection not listed")
+    finally:
+        listener.close()
+        for path in (placed, bound):
+            if os.path.exists(path):
+                os.unlink(path)
+        os.rmdir(sub)
+
+
+def connect(path):
+    def fn():
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(path)
+        finally:
+            s.close()
+    return fn
+
+
 def status_fields():
     fields = {}
     with open("/proc/self/status") as f:
@@ -86,6 +125,8 @@ def main() -> int:
         "stat /dev/kvm": "chr" if stat.S_ISCHR(os.stat("/dev/kvm").st_mode) else "not a character device",
         "mknod": attempt(mknod(PLUGIN_DIR + "/atedevd-probe-node")),
         "setuid": attempt(lambda: os.setuid(65534)),
+        "standby renamed in, its connection in /proc/self/net/unix": attempt(own_listener_listed),
+        "connect pod-resources": attempt(connect("/var/lib/kubelet/pod-resources/kubelet.sock")),
         "status": status_fields(),
     }
     print("ATEDEVD-PROBE " + json.dumps(results, sort_keys=True), flush=True)

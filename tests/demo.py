@@ -68,7 +68,7 @@ def main() -> int:
         say("SIGTERM (systemctl stop)")
         code = daemon.stop(signal.SIGTERM)
         time.sleep(0.1)
-        left = sorted(os.listdir(plugin_dir))
+        left = sorted(n for n in os.listdir(plugin_dir) if n != ".standin")  # .standin: the stand-in's own
         say(f"exit status {code}; STOPPING=1 sent: {'1' in daemon.notify.values('STOPPING')}; plugin dir now holds {left}")
         return 0 if code == 0 else 1
     finally:

@@ -11,6 +11,7 @@ ROUNDS (environment, default 3) sets the rounds per scenario; `make bench` can r
 
 import os
 import random
+import re
 import signal
 import time
 import zlib
@@ -237,3 +238,32 @@ def test_single_stream_end_answered_before_the_next_watchdog_ping(start_daemon, 
         pings = [x for x in list(d.notify.messages) if x["fields"].get("WATCHDOG") == "1" and dropped_at < x["at"] < arrived]
         assert len(pings) < 2, f"the new Register came after {len(pings)} watchdog pings\n{d.log()[-2000:]}"
         end_state(kubelet, d, rng, since=m, new=1)
+
+
+# --- verification through pod-resources --------------------------------------------------------
+
+
+def test_kubelet_silently_stops_counting_us_is_caught_through_pod_resources(start_daemon, plugin_dir, rng):
+    """kubelet 1.32's late-teardown race, its effect produced directly: the endpoint is stopped
+    and the devices unhealthy while our stream stays open, and nothing tells the plugin. Only
+    pod-resources shows it (0 allocatable); the daemon's check (0.25 s after registering, then
+    every 30 s: whichever comes first here) must catch it, say so, and register again. 1.32 only: current kubelet closes the connection of a client
+    it tears down, which the daemon sees as a stream end."""
+    k = Kubelet(plugin_dir, kubelet="1.32", grace=300.0)
+    k.start()
+    try:
+        d = start_daemon()
+        d.wait_ready()
+        end_state(k, d, rng, since=0, new=1)
+        m = k.mark()
+        with k.cond:
+            path = k.inc.endpoints[RESOURCE].path
+        k._plugin_disconnected(k.inc, RESOURCE, path)  # what the late teardown does, and no more
+        assert k.stopped(RESOURCE) and k.allocatable(RESOURCE) == 0 and len(k.live_streams(RESOURCE)) == 1
+        k.assert_healthy(RESOURCE, 4096, since=m, new_registrations=1, timeout=60)
+        log = d.log()
+        assert re.search(r"WARNING ate.dev/kvm: kubelet does not count our devices \(pod-resources lists 0 of 4096 "
+                         r"as allocatable\) although we are registered; registering again", log), log
+        assert "registered again with kubelet" in log.split("does not count our devices", 1)[1], log
+    finally:
+        k.close()

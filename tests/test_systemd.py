@@ -421,6 +421,15 @@ def test_sandbox_cannot_open_device_nodes(probes):
     assert boxed["status"]["CapEff"] == "0000000000000000" and boxed["status"]["NoNewPrivs"] == "1", boxed
 
 
+def test_sandbox_allows_what_registration_needs(probes):
+    """The standby socket renamed into place, kubelet's connections read from
+    /proc/self/net/unix (ProcSubset=pid, PrivateNetwork=), and kubelet's pod-resources
+    socket reached on a read-only mount."""
+    _, _, boxed = probes  # (the unconfined control runs without capabilities here: not compared)
+    for what in ("standby renamed in, its connection in /proc/self/net/unix", "connect pod-resources"):
+        assert boxed[what] == "ok", (what, boxed)
+
+
 def test_running_daemon_is_confined(clean):
     """The real daemon process, inspected from outside its namespaces."""
     node = clean
