@@ -249,12 +249,7 @@ class Registration:
 
     def begin_stop(self, now: float) -> None:
         """SIGTERM: end our streams and give kubelet a moment to let go of them."""
-        if self.call is not None:
-            self.call.cancel()
-            self.call = None
-        if self._check is not None:
-            self._check.cancel()
-            self._check = None
+        self._cancel_calls()
         if self.standby is not None:
             self.standby.stop()
             self.standby = None
@@ -590,13 +585,17 @@ class Registration:
             server.stop()
         self.retiring = []
 
-    def _close_all(self) -> None:
+    def _cancel_calls(self) -> None:
+        """Cancel our calls to kubelet; their outcomes, when they arrive, are ignored."""
         if self.call is not None:
             self.call.cancel()
             self.call = None
         if self._check is not None:
             self._check.cancel()
             self._check = None
+
+    def _close_all(self) -> None:
+        self._cancel_calls()
         for server in self._kubelet_held() + ([self.standby] if self.standby else []):
             server.stop()
         self.current, self.standby, self.retiring = None, None, []

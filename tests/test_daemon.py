@@ -378,3 +378,17 @@ def test_register_dials_kubelet_with_authority_localhost(start_daemon, plugin_di
     listener.close()
     assert headers[":authority"] == "localhost"
     assert headers[":path"] == "/v1beta1.Registration/Register"
+
+
+def test_failing_after_a_registration_is_a_warning_with_the_reason_in_status(daemon, kubelet):
+    """kubelet refuses us for longer than a restart takes: not DEBUG noise but a WARNING
+    (then at most once a minute), and STATUS= says why and since when."""
+    kubelet.kill()  # kubelet.sock stays behind, refusing every Register
+    warned = re.compile(r"WARNING ate.dev/kvm: not registered with kubelet for \d+ s: kubelet is not accepting connections")
+    assert wait_until(lambda: warned.search(daemon.log()), 20), daemon.log()
+    assert re.search(r"ate.dev/kvm: waiting for kubelet since \d\d:\d\d:\d\d: kubelet is not accepting connections",
+                     daemon.status() or ""), daemon.status()
+    assert len(warned.findall(daemon.log())) == 1
+    kubelet.start()
+    assert kubelet.wait_connected(RESOURCE, registrations=2, timeout=10), daemon.log()
+    assert wait_until(lambda: (daemon.status() or "").startswith("ate.dev/kvm: registered"), 5), daemon.status()

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import signal
+import socket
 import time
 import zlib
 
@@ -267,3 +268,34 @@ def test_kubelet_silently_stops_counting_us_is_caught_through_pod_resources(star
         assert "registered again with kubelet" in log.split("does not count our devices", 1)[1], log
     finally:
         k.close()
+
+
+# --- the handover waits for kubelet to let go, and the loop never blocks meanwhile ---------------
+
+
+def test_handover_waits_for_the_old_socket_while_the_loop_serves_other_resources(start_daemon, kubelet, plugin_dir, dev_root, tmp_path, rng):
+    """kubelet ends kvm's stream while a stranger still holds a connection to kvm's socket: the
+    new Register must wait until that socket is let go (kubelet <= 1.36 would otherwise confuse
+    the old teardown with the new registration), and while it waits the loop keeps serving:
+    vhost-net's node disappears and kubelet sees its units Unhealthy before kvm registers again."""
+    os.symlink("/dev/null", os.path.join(dev_root, "vhost-net"))
+    cfg = tmp_path / "two.toml"
+    cfg.write_text(f'[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\n'
+                   '[[device]]\nresource = "ate.dev/vhost-net"\npath = "/dev/vhost-net"\ncount = 8\n')
+    d = start_daemon(config=str(cfg))
+    d.wait_ready()
+    end_state(kubelet, d, rng, since=0, new=1)
+    kubelet.assert_healthy("ate.dev/vhost-net", 8, timeout=SETTLE)
+    stranger = socket.socket(socket.AF_UNIX)
+    stranger.connect(current_socket(plugin_dir, RESOURCE, kubelet=kubelet))
+    try:
+        m = kubelet.mark()
+        kubelet.drop(RESOURCE)
+        assert kubelet.wait(lambda: not kubelet.live_streams(RESOURCE), 10)
+        os.unlink(os.path.join(dev_root, "vhost-net"))  # while kvm's handover waits
+        assert kubelet.wait(lambda: kubelet.allocatable("ate.dev/vhost-net") == 0, 10), d.log()
+        assert not [c for c in kubelet.register_calls[m:] if c["resource"] == RESOURCE], "registered before the old socket was let go"
+    finally:
+        stranger.close()
+    end_state(kubelet, d, rng, since=m, new=1)
+    assert "kubelet ended our ListAndWatch stream" in d.log()
