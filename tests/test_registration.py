@@ -206,11 +206,15 @@ def test_inotify_queue_overflow_loses_our_socket_deletion(start_daemon, kubelet,
     for r in range(ROUNDS):
         m = kubelet.mark()
         burst = os.path.join(plugin_dir, f"burst-{r}")
-        for i in range(100):  # regular files: kubelet's wipe leaves them alone
-            open(f"{burst}-{i}", "w").close()
-        os.unlink(current_socket(plugin_dir, kubelet=kubelet))
-        for i in range(100, 200):
-            open(f"{burst}-{i}", "w").close()
+        d.send(signal.SIGSTOP)  # it cannot read meanwhile: the 16-event queue must overflow
+        try:
+            for i in range(100):  # regular files: kubelet's wipe leaves them alone
+                open(f"{burst}-{i}", "w").close()
+            os.unlink(current_socket(plugin_dir, kubelet=kubelet))
+            for i in range(100, 200):
+                open(f"{burst}-{i}", "w").close()
+        finally:
+            d.send(signal.SIGCONT)
         end_state(kubelet, d, rng, since=m, new=1)
         for i in range(200):
             os.unlink(f"{burst}-{i}")
