@@ -161,10 +161,7 @@ class Registration:
         if not self._ensure_standby():
             return
         self.state = State.WAITING
-        if self.ctx.kubelet.serving:
-            self._attempt(now, "first registration")
-        else:
-            self._waiting(now, "kubelet.sock does not exist yet")
+        self._attempt(now, "first registration")
 
     def unserve(self, now: float, why: str) -> None:
         """The plugin directory is gone: nothing can be served until it is back."""
@@ -359,6 +356,7 @@ class Registration:
 
     def _timer_retry(self, now: float) -> None:
         if self.state is State.WAITING:
+            self.ctx.kubelet.refresh(created=False)
             self._attempt(now, self.last_error or "retry")
 
     def _timer_standby(self, now: float) -> None:
@@ -442,22 +440,27 @@ class Registration:
             self.current = None
             self._stream_open = False
         if not self.ctx.kubelet.serving:
-            self._waiting(now, "kubelet.sock does not exist yet")
+            # Its creation event wakes us; the timer is for one that came before a
+            # re-created directory was watched again.
+            self._failed(now, "kubelet.sock does not exist yet", self.backoff.next())
             return
         log.debug("%s: registering (%s)", self.name, why)
-        if not wait:
-            self._stop_retiring()
-        elif any(s.kubelet_connected for s in self.retiring) or sockets.connections(s.bind_path for s in self.retiring) > 0:
+        # Without `wait` the old servers are stopped once Register is on its way (on_register_done).
+        if wait and (any(s.kubelet_connected for s in self.retiring) or sockets.connections(s.bind_path for s in self.retiring) > 0):
             self.state = State.HANDOVER
             self._handover_until = now + HANDOVER_LIMIT_S
             self._settle_at = None
             self._timers["handover"] = now + POLL_S
             return
-        self._register(now)
+        self._register(now, urgent=not wait)
 
-    def _register(self, now: float) -> None:
-        """Rename the standby into place (so it cannot have been wiped) and Register it."""
-        if not self._promote():
+    def _register(self, now: float, urgent: bool = False) -> None:
+        """Put a fresh socket in place (so it cannot have been wiped) and Register it.
+
+        The standby is kept for `urgent` Registers: a kubelet that just started admits
+        pods within milliseconds. Others (a handover, a retry, perhaps against a dead
+        kubelet's socket) bind a socket now, about 12 ms, and leave the standby ready."""
+        if not self._promote(use_standby=urgent or self._n_registers == 0):
             return
         path = self.current.socket_path
         level = INFO if self.registrations == 0 and self._n_registers == 0 else DEBUG
@@ -546,11 +549,13 @@ class Registration:
         self.serve_error = None
         return True
 
-    def _promote(self) -> bool:
-        """Put the standby (or, if none is ready, a socket bound now) in place."""
-        server, self.standby = self.standby, None
+    def _promote(self, use_standby: bool) -> bool:
+        """Put the standby (or a socket bound now) in place."""
+        server = None
+        if use_standby:
+            server, self.standby = self.standby, None
         try:
-            if server is None:  # used up by quick retries: bind one in place
+            if server is None:  # not urgent, or none ready: bind one in place
                 server = self._new_server(os.path.join(self.ctx.plugin_dir, self._next_name()))
             else:
                 server.move_to(os.path.join(self.ctx.plugin_dir, os.path.basename(server.bind_path)))

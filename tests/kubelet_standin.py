@@ -307,7 +307,8 @@ class Kubelet:
     def _listen(self, inc: _Incarnation) -> grpc.Server:
         """Serve Registration on kubelet.sock. grpc unlinks the path it bound when it
         stops, where a killed kubelet leaves its file: so bind in a private directory
-        and rename the socket into place (one event, as kubelet's bind makes one)."""
+        and rename the socket into place (one event, as kubelet's bind makes one).
+        `serving_at` is the moment kubelet.sock appears, already accepting."""
         private = os.path.join(self.dir, ".standin")
         os.makedirs(private, exist_ok=True)
         bound = os.path.join(private, f"k{inc.n}-{time.monotonic_ns() % 10**6}.sock")  # short: sun_path
@@ -317,6 +318,8 @@ class Kubelet:
         if server.add_insecure_port("unix:" + bound) == 0:
             raise OSError(f"cannot bind {bound}")
         server.start()
+        with self.cond:
+            self.serving_at = time.monotonic()
         if bound != self.socket:
             os.rename(bound, self.socket)
         return server
@@ -325,7 +328,6 @@ class Kubelet:
         server = self._listen(inc)
         with self.cond:
             inc.servers.append(server)
-            self.serving_at = time.monotonic()
             self.cond.notify_all()
         if self.pod_resources_socket:
             os.makedirs(os.path.dirname(self.pod_resources_socket), exist_ok=True)
@@ -383,7 +385,6 @@ class Kubelet:
             if old is not None:
                 inc.servers.remove(old)
             inc.servers.insert(0, server)
-            self.serving_at = time.monotonic()
             self.cond.notify_all()
         self._changed()
 

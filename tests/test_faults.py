@@ -39,8 +39,10 @@ def allocates(socket_path: str) -> bool:
 
 
 def assert_serving(d, plugin_dir: str) -> None:
+    """Alive and answering: on the socket in place, or, before any kubelet took one, on the
+    socket that waits in the standby directory."""
     assert d.proc.poll() is None, d.log()
-    path = current_socket(plugin_dir)
+    path = current_socket(plugin_dir) or current_socket(os.path.join(plugin_dir, ".atedevd"))
     assert path and allocates(path), f"{path}\n{d.log()}"
 
 
