@@ -67,8 +67,8 @@ class Device:
 
 
 DEFAULT_DEVICES = (Device("ate.dev/kvm", "/dev/kvm"),)
-# The most devices one daemon serves: each holds up to three ListAndWatch
-# threads of the worker pool, sized for this many at start-up.
+# The most devices one daemon serves: each may hold three ListAndWatch threads
+# of the worker pool (plugin.Workers: 12 + 3 per device, started up front).
 MAX_DEVICES = 32
 
 

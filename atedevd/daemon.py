@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import inotify.constants as ic
 
 from atedevd import devices, sockets
-from atedevd.config import MAX_DEVICES, Config, ConfigError, Device, load
+from atedevd.config import Config, ConfigError, Device, load
 from atedevd.kubelet import KUBELET_SOCKET, KubeletView
 from atedevd.plugin import Workers
 from atedevd.registration import Context, Registration, State
@@ -64,7 +64,7 @@ class Daemon:
         self.exit_code = 0
         self._plugin_dir_was_mount = False  # under systemd, ReadWritePaths= binds it
         self._overflow_said = -OVERFLOW_SAY_EVERY_S
-        self._workers = Workers(MAX_DEVICES)
+        self._workers = Workers(len(cfg.devices))
         self.kubelet = KubeletView(cfg.device_plugin_dir)
         self._ctx = Context(cfg.device_plugin_dir, sockets.new_run_id(), self._workers, self.kubelet, self._post, self._serve_failed)
 
@@ -130,7 +130,7 @@ class Daemon:
         event(INFO, "stopping", "stopping: removing our sockets")
         for r in self.resources.values():
             r.reg.close()
-        self._workers.executor.shutdown(wait=False)
+        self._workers.shutdown(wait=False)
         self._watcher.close()
 
     def _begin_stop(self) -> None:
@@ -272,6 +272,7 @@ class Daemon:
             cfg = replace(cfg, device_plugin_dir=self.cfg.device_plugin_dir)
         set_level(cfg.log_level)
         self.cfg = cfg
+        self._workers.grow(len(cfg.devices))
         now = time.monotonic()
         wanted = {d.resource: d for d in cfg.devices}
         for name in list(self.resources):

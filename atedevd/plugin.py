@@ -8,6 +8,7 @@ opened its stream, ended it, or a stream was refused — is reported through
 
 import logging
 import os
+import queue
 import threading
 from concurrent import futures
 from typing import Callable, Optional, Set
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 STREAMS_PER_RESOURCE = 3
 # Workers that streams can never take, for Allocate and the other unary calls.
 UNARY_WORKERS = 12
-# Started at start-up: thread count and memory are flat from the first reading.
+# The smallest pool: what one resource used before streams had a budget each.
 PRESTARTED_WORKERS = 16
 # Long lists of bad IDs are named only this far in an error.
 _NAMED_IDS = 3
@@ -35,18 +36,47 @@ _NAMED_IDS = 3
 STREAM_OPENED, STREAM_ENDED, STREAM_REFUSED = "stream-opened", "stream-ended", "stream-refused"
 
 
-class Workers:
-    """The worker threads every plugin server shares: enough for every
-    resource's stream budget plus the unary calls, started on demand past
-    the first `PRESTARTED_WORKERS`."""
+class Workers(futures.Executor):
+    """The worker threads every plugin server shares: each resource's stream budget
+    plus `UNARY_WORKERS` that streams can never take. All are started up front (the
+    thread count and memory seen at start are what the node pays, and a burst of
+    calls cannot grow the pool and thrash the GIL); a reload that adds devices
+    `grow`s it. gRPC only ever calls `submit`."""
 
-    def __init__(self, max_resources: int) -> None:
-        size = UNARY_WORKERS + STREAMS_PER_RESOURCE * max(max_resources, 1)
-        self.executor = futures.ThreadPoolExecutor(max(size, PRESTARTED_WORKERS), thread_name_prefix="grpc")
-        everyone = threading.Barrier(PRESTARTED_WORKERS + 1)
-        for _ in range(PRESTARTED_WORKERS):
-            self.executor.submit(everyone.wait)
-        everyone.wait()
+    def __init__(self, resources: int) -> None:
+        self._tasks: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._threads: list = []
+        self.grow(resources)
+
+    def grow(self, resources: int) -> None:
+        size = max(PRESTARTED_WORKERS, UNARY_WORKERS + STREAMS_PER_RESOURCE * resources)
+        while len(self._threads) < size:
+            t = threading.Thread(target=self._work, name=f"grpc-{len(self._threads)}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def submit(self, fn, *args, **kwargs) -> futures.Future:
+        future: futures.Future = futures.Future()
+        self._tasks.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        for _ in self._threads:
+            self._tasks.put(None)
+
+    def _work(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            future, fn, args, kwargs = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: B036 - handed to whoever waits on it
+                future.set_exception(e)
+            del task, future, fn, args, kwargs  # no references kept between tasks
 
 
 class _Stream:
@@ -95,7 +125,7 @@ class PluginServer:
         if not os.access(os.path.dirname(self.bind_path), os.W_OK):  # e.g. EROFS; grpc would log a stack per try
             raise OSError("cannot bind the socket: the directory is not writable")
         server = grpc.server(
-            self._workers.executor,
+            self._workers,
             handlers=[device_plugin_handler(self)],
             options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)],
         )

@@ -12,9 +12,7 @@ import time
 from array import array
 from typing import List, Tuple
 
-import grpc
 
-from atedevd.api import DevicePluginStub, pb
 from atedevd.plugin import PRESTARTED_WORKERS as WORKERS
 from bench.rig import BusyCore, Rig, TimedKubelet, cpu_seconds, percentile, snapshot
 from tests.harness import REPO, RESOURCE, current_socket, our_files
@@ -200,22 +198,6 @@ def race(quick: bool) -> List[Row]:
 # --- Allocate -------------------------------------------------------------------------------
 
 
-def _sequential(socket_path: str, n: int) -> List[float]:
-    channel = grpc.insecure_channel("unix:" + socket_path)
-    call = DevicePluginStub(channel).Allocate
-    req = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["kvm-0"])])
-    for _ in range(100):
-        call(req, timeout=30)
-    lat = []
-    clock = time.perf_counter
-    for _ in range(n):
-        t0 = clock()
-        call(req, timeout=30)
-        lat.append(clock() - t0)
-    channel.close()
-    return lat
-
-
 def load(socket_path: str, callers: int, procs: int, duration: float = None, count: int = None) -> dict:
     """`callers` threads spread over `procs` client processes (bench.loadgen)."""
     per = [callers // procs + (1 if i < callers % procs else 0) for i in range(procs)]
@@ -253,10 +235,11 @@ def allocate(quick: bool) -> List[Row]:
     rows: List[Row] = []
     with Rig() as rig:
         d = rig.start_registered()
-        lat = _sequential(rig.socket, n)
-        p99 = percentile(lat, 99)
-        rows.append(("allocate", f"sequential, p50/p99 over {n} (bench process)", f"{ms(percentile(lat, 50))}/{ms(p99)} ms", "p99 <= 2 ms", verdict(p99 <= 0.002)))
-        rows.append(("allocate", "sequential, throughput", f"{len(lat) / sum(lat):.0f}/s", "", ""))
+        # A client process of its own: the in-process kubelet stand-in would share its GIL.
+        seq = load(rig.socket, 1, 1, count=n)
+        lat, p99 = seq["lat"], percentile(seq["lat"], 99)
+        rows.append(("allocate", f"sequential, p50/p99 over {n} (client process)", f"{ms(percentile(lat, 50))}/{ms(p99)} ms", "p99 <= 2 ms", verdict(p99 <= 0.002 and seq["errors"] == 0)))
+        rows.append(("allocate", "sequential, throughput", f"{seq['rate']:.0f}/s", "", ""))
         for callers in (1, 16, 64):
             procs = min(callers, 4)
             r = load(rig.socket, callers, procs, duration=duration)

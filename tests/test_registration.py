@@ -252,7 +252,7 @@ def test_kubelet_silently_stops_counting_us_is_caught_through_pod_resources(star
     """kubelet 1.32's late-teardown race, its effect produced directly: the endpoint is stopped
     and the devices unhealthy while our stream stays open, and nothing tells the plugin. Only
     pod-resources shows it (0 allocatable); the daemon's check (0.25 s after registering, then
-    every 30 s: whichever comes first here) must catch it, say so, and register again. 1.32 only: current kubelet closes the connection of a client
+    every 60 s: whichever comes first here) must catch it, say so, and register again. 1.32 only: current kubelet closes the connection of a client
     it tears down, which the daemon sees as a stream end."""
     k = Kubelet(plugin_dir, kubelet="1.32", grace=300.0)
     k.start()
@@ -265,7 +265,7 @@ def test_kubelet_silently_stops_counting_us_is_caught_through_pod_resources(star
             path = k.inc.endpoints[RESOURCE].path
         k._plugin_disconnected(k.inc, RESOURCE, path)  # what the late teardown does, and no more
         assert k.stopped(RESOURCE) and k.allocatable(RESOURCE) == 0 and len(k.live_streams(RESOURCE)) == 1
-        k.assert_healthy(RESOURCE, 4096, since=m, new_registrations=1, timeout=60)
+        k.assert_healthy(RESOURCE, 4096, since=m, new_registrations=1, timeout=90)
         log = d.log()
         assert re.search(r"WARNING ate.dev/kvm: kubelet does not count our devices \(pod-resources lists 0 of 4096 "
                          r"as allocatable\) although we are registered; registering again", log), log
