@@ -19,7 +19,6 @@ Every RETRY_S we try inotify again; when it works again we say that too.
 """
 
 import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -53,7 +52,8 @@ RETRY_S = 30.0  # how often inotify is tried again for them
 # The path is going or gone: watch its parent instead (not a reason to poll).
 _VANISHED = (errno.ENOENT, errno.ENOTDIR)
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# libc is already in the process: no lookup (ctypes.util would import half the stdlib).
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.inotify_init1.argtypes = [ctypes.c_int]
 _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
 _libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]

@@ -12,7 +12,6 @@ import time
 from array import array
 from typing import List, Tuple
 
-
 from atedevd.plugin import PRESTARTED_WORKERS as WORKERS
 from bench.rig import BusyCore, Rig, TimedKubelet, cpu_seconds, percentile, snapshot
 from tests.harness import REPO, RESOURCE, current_socket, our_files
