@@ -370,7 +370,7 @@ class Registration:
         if held > 0 and now < self._handover_until:
             self._timers["handover"] = now + POLL_S
             return
-        if held > 0:
+        if held > 0 and self._settle_at is None:
             event(WARNING, "handover-timeout", f"{self.name}: kubelet still holds {held} connection(s) to our old socket after {HANDOVER_LIMIT_S:.0f} s; registering anyway", resource=self.name)
         elif held < 0:  # /proc/self/net/unix unreadable: a fixed wait instead
             log.debug("%s: cannot read /proc/self/net/unix; waiting %.1f s instead", self.name, 10 * SETTLE_S)
