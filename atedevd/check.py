@@ -260,6 +260,7 @@ def kubelet_counts(socket_path: str, timeout: float = 2.0) -> Dict[str, int]:
     import grpc  # only here: the rest of `check` needs no gRPC
 
     from atedevd.api import PodResourcesStub, prpb
+    from atedevd.kubelet import allocatable_ids
 
     channel = grpc.insecure_channel("unix:" + socket_path, options=[("grpc.default_authority", "localhost")])
     try:
@@ -268,16 +269,13 @@ def kubelet_counts(socket_path: str, timeout: float = 2.0) -> Dict[str, int]:
         raise OSError(f"{e.code().name}: {e.details()}") from None
     finally:
         channel.close()
-    ids: Dict[str, set] = {}
-    for d in resp.devices:
-        ids.setdefault(d.resource_name, set()).update(d.device_ids)
-    return {name: len(found) for name, found in ids.items()}
+    return {name: len(found) for name, found in allocatable_ids(resp).items()}
 
 
 def _kubelet_view(cfg: Config, out: TextIO) -> List[str]:
     """What kubelet itself counts, next to what we advertise: the one place a
     registration that kubelet silently stopped honouring shows."""
-    from atedevd.kubelet import pod_resources_socket  # grpc-free at import
+    from atedevd.kubelet import pod_resources_socket  # imports grpc: only when `check` gets here
 
     path = pod_resources_socket(cfg.device_plugin_dir)
     if not os.path.exists(path):

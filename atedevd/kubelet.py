@@ -125,10 +125,16 @@ class AllocatableCall(_Call):
     def _done(self, future: grpc.Future) -> None:
         if future.cancelled() or future.exception() is not None:
             return super()._done(future)
-        counted: dict = {}
-        for d in future.result().devices:  # one entry per device (per NUMA node)
-            counted.setdefault(d.resource_name, set()).update(d.device_ids)
-        self._on_done(self, counted, None)
+        self._on_done(self, allocatable_ids(future.result()), None)
+
+
+def allocatable_ids(response) -> dict:
+    """{resource name: set of device IDs} from an AllocatableResourcesResponse, which
+    has one entry per device (per NUMA node where topology is set)."""
+    ids: dict = {}
+    for d in response.devices:
+        ids.setdefault(d.resource_name, set()).update(d.device_ids)
+    return ids
 
 
 def describe(exc: BaseException) -> str:

@@ -110,7 +110,6 @@ class PluginServer:
         self._primary_taken = False
         self._server: Optional[grpc.Server] = None
         self.inode: Optional[int] = None
-        self.refused = 0
         self._spec = pb.DeviceSpec(
             container_path=device.path, host_path=device.path, permissions=device.permissions
         )
@@ -190,8 +189,6 @@ class PluginServer:
 
     def ListAndWatch(self, request, context):
         if not self._slots.acquire(blocking=False):
-            with self._cond:
-                self.refused += 1
             self._on_event(STREAM_REFUSED, self)
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
