@@ -2,9 +2,10 @@
 
 Inputs are inotify events (plugin directory and device directories),
 signals, timers and callables posted by gRPC threads (a call finished, a
-stream opened or ended). Registration decisions live in `registration.py`;
-this loop tracks device presence and the plugin directory, and tells each
-resource's `Registration` what happened.
+stream opened or ended). Registration decisions live in `registration.py`
+(no I/O) and are carried out by `registrar.py`; this loop tracks device
+presence, kubelet.sock and the plugin directory, and tells each resource's
+`Registrar` what happened.
 """
 
 import logging
@@ -23,7 +24,8 @@ from atedevd import devices, sockets
 from atedevd.config import Config, ConfigError, Device, load
 from atedevd.kubelet import KUBELET_SOCKET, KubeletView
 from atedevd.plugin import Workers
-from atedevd.registration import Context, Registration, State
+from atedevd.registrar import Context, Registrar
+from atedevd.registration import State
 from atedevd.systemd import Notifier, event, set_level
 from atedevd.watch import Watcher
 
@@ -40,7 +42,7 @@ class Resource:
     """The loop's record of one configured device."""
 
     device: Device
-    reg: Registration
+    reg: Registrar
     advertised: bool = False  # once served, kept served (Unhealthy while the node is missing)
     present: Optional[bool] = None
     version: int = 0
@@ -120,6 +122,8 @@ class Daemon:
             if poll_at is not None and time.monotonic() >= poll_at:
                 self._on_fs_events(self._watcher.read())
             now = time.monotonic()
+            if not self._stopping and any(r.reg.retry_due(now) for r in self.resources.values()):
+                self._look_at_kubelet(created=False, lost=True)  # in case an event was lost
             for r in list(self.resources.values()):
                 if r.reg.deadline is not None and r.reg.deadline <= now:
                     r.reg.on_timer(now)
@@ -182,13 +186,22 @@ class Daemon:
             created |= ev.name == KUBELET_SOCKET and ev.is_(ic.IN_CREATE | ic.IN_MOVED_TO)
         if self._stopping:
             return
+        self._look_at_kubelet(created, lost)
+        if news or lost:  # any news from kubelet's side cuts a retry wait short
+            now = time.monotonic()
+            for r in self.resources.values():
+                r.reg.nudge(now)
+
+    def _look_at_kubelet(self, created: bool, lost: bool) -> None:
+        """Tell every resource when kubelet.sock appeared anew or went away."""
         now = time.monotonic()
         if self.kubelet.refresh(created, events_lost=lost):
             for r in self.resources.values():
                 r.reg.kubelet_started(now)
-        if news or lost:  # any news from kubelet's side cuts a retry wait short
+        elif self.kubelet.gone:
+            self.kubelet.gone = False
             for r in self.resources.values():
-                r.reg.nudge(now)
+                r.reg.kubelet_gone(now)
 
     def _overflowed(self) -> None:
         """Said once a minute at most: the kernel dropped events (a burst in a watched directory)."""
@@ -220,7 +233,7 @@ class Daemon:
                 r.reg.serve(now)
                 if unserved and r.reg.state is not State.UNSERVED:
                     self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
-                r.reg.check_socket(now)
+                r.reg.check_sockets(now)
 
     def _check_presence(self, r: Resource, now: float) -> None:
         found = devices.presence(r.device, self.cfg.dev_root)
@@ -290,7 +303,7 @@ class Daemon:
             if name not in self.resources:
                 r = Resource(device, reg=None)  # type: ignore[arg-type]
                 self._check_presence(r, now)
-                r.reg = Registration(device, self._snapshot(r), self._ctx)
+                r.reg = Registrar(device, self._snapshot(r), self._ctx)
                 self.resources[name] = r
         dirs = [self.cfg.device_plugin_dir] + [os.path.dirname(d.host_path(cfg.dev_root)) for d in cfg.devices]
         self._watcher.want(dirs)

@@ -43,6 +43,7 @@ class KubeletView:
         self.pod_resources = pod_resources_socket(plugin_dir)
         self.serving = False
         self.since = 0.0  # ctime of the kubelet.sock we know (wall clock)
+        self.gone = False  # the last refresh found the socket deleted since the one before
         self._identity: Optional[tuple] = None
 
     def refresh(self, created: bool, events_lost: bool = False) -> bool:
@@ -55,8 +56,10 @@ class KubeletView:
         try:
             st = os.stat(self.socket)
         except OSError:
+            self.gone = self.serving
             self.serving, self._identity = False, None
             return False
+        self.gone = False
         identity = (st.st_ino, st.st_ctime_ns)
         new = created or (events_lost and identity != self._identity)
         self.serving, self._identity = True, identity
@@ -66,10 +69,12 @@ class KubeletView:
 
 
 class _Call:
-    """One unary call in flight on its own channel; `on_done(call, result, error)`."""
+    """One unary call in flight on its own channel; `on_done(call, result, error)`.
+    After it ends, `code` is its gRPC status code (None when it succeeded)."""
 
     def __init__(self, target: str, on_done: Callable) -> None:
-        self.started = time.time()  # wall clock: compared with kubelet.sock's ctime
+        self.started = time.time()
+        self.code: Optional[grpc.StatusCode] = None
         self._on_done = on_done
         self._channel = grpc.insecure_channel("unix:" + target, options=_CHANNEL_OPTIONS)
         self._future: Optional[grpc.Future] = None
@@ -85,11 +90,12 @@ class _Call:
     def _done(self, future: grpc.Future) -> None:
         result, error = None, None
         if future.cancelled():
-            error = "cancelled"
+            error, self.code = "cancelled", grpc.StatusCode.CANCELLED
         else:
             exc = future.exception()
             if exc is not None:
                 error = describe(exc)
+                self.code = exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             else:
                 result = future.result()
         self._on_done(self, result, error)
@@ -126,6 +132,11 @@ class AllocatableCall(_Call):
         if future.cancelled() or future.exception() is not None:
             return super()._done(future)
         self._on_done(self, allocatable_ids(future.result()), None)
+
+
+def not_listening(code: Optional[grpc.StatusCode]) -> bool:
+    """The call never reached a server: nobody accepts connections on the socket."""
+    return code == grpc.StatusCode.UNAVAILABLE
 
 
 def allocatable_ids(response) -> dict:

@@ -6,6 +6,7 @@ opened its stream, ended it, or a stream was refused — is reported through
 `on_event(kind, server)`; all decisions are made in the control loop.
 """
 
+import dataclasses
 import logging
 import os
 import queue
@@ -34,6 +35,8 @@ PRESTARTED_WORKERS = 16
 _NAMED_IDS = 3
 
 STREAM_OPENED, STREAM_ENDED, STREAM_REFUSED = "stream-opened", "stream-ended", "stream-refused"
+# kubelet's stream has taken our first device list (gRPC asked for the next message).
+LIST_SENT = "list-sent"
 
 
 class Workers(futures.Executor):
@@ -175,6 +178,13 @@ class PluginServer:
             self._snapshot = snapshot
             self._cond.notify_all()
 
+    def resend(self) -> None:
+        """Send the current device list again on every open stream."""
+        with self._cond:
+            if self._snapshot is not None:
+                self._snapshot = dataclasses.replace(self._snapshot)  # equal, but not the one sent
+                self._cond.notify_all()
+
     def end_streams(self) -> None:
         """Ask every open stream to end; returns at once (handlers finish on their threads)."""
         with self._cond:
@@ -203,6 +213,7 @@ class PluginServer:
                 self._on_event(STREAM_OPENED, self)
             context.add_callback(self._wake)
             sent = None
+            first = stream.primary
             while True:
                 with self._cond:
                     self._cond.wait_for(
@@ -212,6 +223,9 @@ class PluginServer:
                         return
                     sent = self._snapshot
                 yield sent.response
+                if first:  # gRPC wants the next message: the first one is on its way to kubelet
+                    first = False
+                    self._on_event(LIST_SENT, self)
         finally:
             with self._cond:
                 self._streams.discard(stream)

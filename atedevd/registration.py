@@ -1,73 +1,93 @@
-"""The registration of one resource with kubelet: a state machine, all in this module.
+"""The registration of one resource with kubelet: a state machine that does no I/O.
 
-The control loop only forwards events here (kubelet.sock appeared, our socket
-vanished, a stream opened or ended, a call finished, a timer is due); every
-decision and every state change of a registration is made below.
+Events go in as method calls with the time (`now`, seconds on a monotonic
+clock); what must be done comes out as actions (`take()`), and the next moment
+the machine wants to be woken is `deadline`. `atedevd/registrar.py` performs
+the actions for real (sockets, gRPC calls, the journal) and feeds their
+outcomes back in; the tests' simulation performs them against models of each
+kubelet generation under a simulated clock. Nothing here reads a file, a
+socket or a clock, so one seed replays one run exactly.
 
 The rules, each from a way kubelet really behaves (docs/design.md, "Registration"):
 
-- Every Register names a socket file of its own (`sockets.socket_name`). The
-  next one waits, already serving, in a subdirectory kubelet's wipe does not
-  touch, and is renamed into place when needed, so that a restarted kubelet
-  gets our Register within a millisecond or two of serving again.
-- One Register in flight per resource. Triggers that arrive meanwhile are
-  remembered and acted on when it ends: never two Registers for one kubelet.
+- Every Register names a socket file of its own. The next one waits, already
+  serving, in a subdirectory kubelet's wipe does not touch, and is renamed
+  into place when needed; it is bound only once kubelet has our first device
+  list, so that nothing competes with kubelet reading it.
+- One Register in flight per resource; triggers that arrive meanwhile are
+  remembered and acted on when it ends.
 - While the same kubelet stays up, a new registration first hands over: the
-  old socket's streams are ended, and Register waits (at most 10 s) until
-  kubelet has closed its connections to the old socket, plus a short settle.
-  kubelet <= 1.36 tears a resource down *by name*, so an old teardown that
-  lands after a new Register would stop the new endpoint, silently.
+  old socket's streams are ended, and Register waits until kubelet's teardown
+  of the old connection is visible — pod-resources stops listing the resource,
+  which kubelet's last teardown step causes — bounded; where pod-resources is
+  not served, a fixed wait instead. kubelet <= 1.36 tears a resource down *by
+  name*, so an old teardown that lands after a new Register would stop the new
+  endpoint, silently. The same wait runs at start-up when kubelet still lists
+  the resource, and before exit.
+- A Register refused because kubelet.sock is not listening yet is sent again
+  at once on the same socket. While kubelet is down nothing is bound and
+  nothing is sent until kubelet.sock appears (a slow timer only as a fallback).
 - A Register that returned OK is not believed until kubelet opens ListAndWatch
-  on the new socket, and, where kubelet serves pod-resources, lists our
-  devices as allocatable. Anything less is a lost registration: register again.
+  on the new socket and, where kubelet serves pod-resources, lists our devices.
+  Anything less is a lost registration: register again, with a capped backoff
+  when it is pod-resources that disagrees, and never give up.
 """
 
 import enum
 import logging
-import os
-import threading
-import time
-from functools import partial
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from atedevd import sockets
-from atedevd.config import Device
-from atedevd.devices import Snapshot
-from atedevd.kubelet import AllocatableCall, KubeletView, RegisterCall
-from atedevd.plugin import STREAM_ENDED, STREAM_OPENED, STREAM_REFUSED, STREAMS_PER_RESOURCE, PluginServer, Workers
-from atedevd.systemd import event
+ERROR, WARNING, INFO, DEBUG = logging.ERROR, logging.WARNING, logging.INFO, logging.DEBUG
 
-log = logging.getLogger(__name__)
-WARNING, INFO, DEBUG, ERROR = logging.WARNING, logging.INFO, logging.DEBUG, logging.ERROR
-
-HANDOVER_LIMIT_S = 10.0  # kubelet's own dial timeout; past it we register anyway
-SETTLE_S = 0.05  # after kubelet closes the old connection it marks the resource disconnected
-POLL_S = 0.005  # how often a handover looks at kubelet's connections
+LET_GO_LIMIT_S = 10.0  # kubelet's own dial timeout; past it we register anyway
+LET_GO_POLL_S = 0.005  # how often pod-resources is asked while waiting for kubelet to let go
+FIXED_WAIT_S = 0.5  # without pod-resources: how long kubelet is given to let go
+RELIST_LIMIT_S = 1.0  # a fresh device list should make kubelet list us again within this
 VERIFY_S = 5.0  # Register returned OK: kubelet's ListAndWatch must open by then
 STABLE_AFTER_S = 2.0  # a stream end after this long is answered at once; earlier ones back off
-CHECK_FIRST_S = 0.25  # verified: ask pod-resources this soon ...
+CHECK_FIRST_S = 0.25  # kubelet has our first list: ask pod-resources this soon ...
 CHECK_CONFIRM_S = 0.5  # ... again this soon when kubelet's count differs from ours ...
 CHECK_EVERY_S = 60.0  # ... and otherwise this often (kubelet's grace for a lost plugin is 5 min)
-STOP_WAIT_S = 5.0  # on SIGTERM, wait this long at most for kubelet to let go (TimeoutStopSec=20s)
-WARN_AFTER_S = 5.0  # failing this long after a first registration: say so as a WARNING ...
+CHECK_BACKOFF_S = (0.0, 30.0, 60.0, 120.0, 300.0)  # between re-registrations the check drives
+STOP_LIMIT_S = 5.0  # on SIGTERM, wait this long at most for kubelet to let go (TimeoutStopSec=20s)
+FAST_RETRY_S = 0.0005  # kubelet.sock exists but is not listening yet: try again this soon ...
+FAST_WINDOW_S = 0.005  # ... for this long after it appeared, then back off
+LISTEN_GRACE_S = 1.0  # refused this long after kubelet.sock appeared: that kubelet is gone
+SLOW_RETRY_S = 10.0  # kubelet down: look again this often, in case an event was lost
+WARN_AFTER_S = 20.0  # failing this long after a first registration (past any kubelet restart): a WARNING ...
 WARN_EVERY_S = 60.0  # ... and again at most this often
+REFUSED_SAY_EVERY_S = 60.0
 # A Register started this long before the newest kubelet.sock appeared went to the old one.
 OLD_KUBELET_MARGIN_S = 0.1
-# Re-registering this many times in a row without kubelet counting us: stop acting on the
-# check (say so, keep reporting it), so that a kubelet we misread is never hammered.
-CHECK_MAX_REREGISTRATIONS = 3
-REFUSED_SAY_EVERY_S = 60.0
+
+# Outcomes of a Register call, as the performer reports them.
+OK, REFUSED, FAILED = "ok", "refused", "failed"  # refused: nobody listens on kubelet.sock
+# Outcomes of a pod-resources call: a count, or one of these.
+PR_ABSENT, PR_REFUSED, PR_FAILED = "absent", "refused", "failed"
 
 
 class State(enum.Enum):
     UNSERVED = "unserved"  # nothing bound: not advertised, no directory, or binding fails
-    WAITING = "waiting"  # a socket ready; kubelet not serving, or a retry is due
-    HANDOVER = "handover"  # kubelet still holds an old socket of ours: waiting for it to let go
-    REGISTERING = "registering"  # Register in flight
+    WAITING = "waiting"  # kubelet not serving, or a retry is due
+    LETTING_GO = "letting-go"  # waiting for kubelet to let go of an old socket of ours
+    REGISTERING = "registering"  # a socket being put in place, or Register in flight
     VERIFYING = "verifying"  # Register returned OK; waiting for kubelet's ListAndWatch
     REGISTERED = "registered"  # kubelet streams our devices (and counts them, where we can see)
     STOPPING = "stopping"  # SIGTERM: streams ended, waiting for kubelet to let go
     STOPPED = "stopped"
+
+
+# Actions: tuples, the first item names what to do.
+#   ("bind", sid, standby)      serve a new socket: in the standby directory, or in place
+#   ("place", sid)              rename the standby socket into kubelet's directory
+#   ("register", cid, sid)      send Register naming sid's socket
+#   ("ask", cid)                ask pod-resources how many of our devices kubelet lists
+#   ("cancel", cid)             cancel a call; its outcome, if it comes, is ignored
+#   ("end_streams", sid)        end the ListAndWatch streams on sid
+#   ("resend", sid)             send the device list again on sid's streams
+#   ("close", sid)              stop serving sid and remove its socket file
+#   ("say", level, kind, text, once)  log (`once`: a key said at most once per daemon)
+Action = Tuple
 
 
 class Backoff:
@@ -86,549 +106,726 @@ class Backoff:
         self.delay = 0.0
 
 
-class Context:
-    """What every registration of one daemon shares."""
-
-    def __init__(
-        self,
-        plugin_dir: str,
-        run_id: str,
-        workers: Workers,
-        kubelet: KubeletView,
-        post: Callable[[Callable[[], None]], None],
-        serve_failed: Callable[[str, OSError], bool],
-    ):
-        self.plugin_dir = plugin_dir
-        self.run_id = run_id
-        self.workers = workers
-        self.kubelet = kubelet
-        self.post = post  # run a callable on the loop (from gRPC threads)
-        self.serve_failed = serve_failed  # True: the daemon is stopping because of it
-        self.pod_resources_seen: Optional[bool] = None  # logged once each way
-
-
 class Registration:
-    """One resource's sockets and its registration with kubelet."""
+    """One resource's sockets and its registration with kubelet, as decisions only."""
 
-    def __init__(self, device: Device, snapshot: Snapshot, ctx: Context):
-        self.device = device
-        self.snapshot = snapshot
-        self.ctx = ctx
+    def __init__(self, name: str, count: int, healthy: bool = True, standby_possible: bool = True,
+                 device_path: str = "the device"):
+        self.name = name
+        self.count = count  # units configured
+        self.device_path = device_path  # for what we say
+        self.healthy = healthy  # the device node is present: we send Healthy
+        self.standby_possible = standby_possible  # False where the standby path would be too long
         self.state = State.UNSERVED
-        self.current: Optional[PluginServer] = None  # named in the last Register (or about to be)
-        self.standby: Optional[PluginServer] = None  # serving in the standby directory
-        self.retiring: List[PluginServer] = []  # old sockets kubelet may still hold
-        self.call: Optional[RegisterCall] = None
-        self.redo: Optional[str] = None  # why to register again once the call in flight ends
+        self.changed_at = 0.0  # when `state` last changed
+        self.actions: List[Action] = []
+        self.timers: Dict[str, float] = {}
+        self.kubelet_up = False
+        self.kubelet_at = -1e9  # when the newest kubelet.sock appeared
+        # Sockets, by id: the one named in the last Register (or about to be), the
+        # one waiting in the standby directory, and old ones kubelet may still hold.
+        self.current: Optional[int] = None
+        self.standby: Optional[int] = None
+        self.retiring: List[int] = []
+        self._sid = 0
+        self._bound: set = set()  # sids serving (bound)
+        self._placing: Optional[int] = None  # a socket being put in place for Register
+        self._gone: set = set()  # sids whose file was deleted under us
+        self._watched: set = set()  # sids kubelet opened a stream on
+        self._stream_open = False  # on `current`
+        self._list_sent = False  # kubelet has `current`'s first device list
+        # Calls in flight.
+        self._cid = 0
+        self.call: Optional[Tuple[int, float]] = None  # (cid, started) of the Register in flight
+        self._ask: Optional[int] = None  # the pod-resources call in flight
+        self._ask_for = ""  # what its answer is for: "check", "let-go", "relist", "start", "stop"
+        self.redo: Optional[str] = None  # register again once the call in flight ends, and why
+        self._retry_same = False  # the due retry resends Register on `current`
         self.backoff = Backoff()
-        self._timers: Dict[str, float] = {}
-        self._n = 0
-        self._slots = threading.BoundedSemaphore(STREAMS_PER_RESOURCE)
-        self._stream_open = False
-        self._handover_until = 0.0
-        self._settle_at: Optional[float] = None
-        self._check: Optional[AllocatableCall] = None
+        # Waiting for kubelet to let go.
+        self._let_go_until = 0.0
+        self._let_go_begun = 0.0
+        self._fixed_until: Optional[float] = None
+        self._unlisted_while_streaming = False  # kubelet listed 0 of a healthy, streaming socket
+        # The pod-resources check.
+        self.pod_resources: Optional[bool] = None  # served, as last seen (None: not asked yet)
+        self.kubelet_count: Optional[int] = None
         self._mismatches = 0
-        self._check_reregistrations = 0  # in a row, without kubelet's count matching since
-        self._n_registers = 0  # Register calls made
-        self._refused_said = -REFUSED_SAY_EVERY_S
-        # What `describe` and the journal tell.
+        self._check_rereg = 0  # re-registrations the check drove, in a row
+        self._check_rereg_at = -1e9
+        # What `describe`, the journal and the metrics tell.
         self.registrations = 0
+        self.reasons: Dict[str, int] = {}  # why each Register was sent
         self.registered_at: Optional[float] = None
         self.lost_at: Optional[float] = None
         self.last_error: Optional[str] = None
-        self.error_since: Optional[float] = None  # wall clock, for STATUS=
-        self._failing_since: Optional[float] = None
+        self.failing_since: Optional[float] = None
         self.serve_error: Optional[str] = None
-        self.last_reregistration: Optional[tuple] = None  # wall time, seconds taken
-        self.kubelet_count: Optional[int] = None
+        self.last_reregistration: Optional[Tuple[float, float]] = None  # (at, seconds taken)
         self.refused_streams = 0
+        self._refused_said = -REFUSED_SAY_EVERY_S
+        self._why = ""
+        self._relist_until = 0.0
+        self._registers_sent = 0
 
-    @property
-    def name(self) -> str:
-        return self.device.resource
+    # --- for the performer -----------------------------------------------------------
+
+    def take(self) -> List[Action]:
+        actions, self.actions = self.actions, []
+        return actions
 
     @property
     def deadline(self) -> Optional[float]:
-        return min(self._timers.values()) if self._timers else None
-
-    # --- events from the loop -----------------------------------------------------
-
-    def serve(self, now: float) -> None:
-        """The device is advertised and the plugin directory exists: have a socket ready."""
-        if self.state is not State.UNSERVED:
-            return
-        if not self._ensure_standby():
-            return
-        self.state = State.WAITING
-        self._attempt(now, "first registration")
-
-    def unserve(self, now: float, why: str) -> None:
-        """The plugin directory is gone: nothing can be served until it is back."""
-        if self.state is State.UNSERVED:
-            return
-        if self.state in (State.REGISTERED, State.VERIFYING):
-            event(WARNING, "registration-lost", f"{self.name}: lost registration: {why}", resource=self.name)
-            self.lost_at = now
-        self._close_all()
-        self.state = State.UNSERVED
-
-    def kubelet_started(self, now: float) -> None:
-        """A new kubelet.sock: kubelet restarted, or re-created its socket.
-
-        A starting kubelet deletes every socket in the directory first. So if
-        ours was deleted, kubelet restarted: no handover wait, the kubelet that
-        held our old sockets is gone and the new one has no client of ours that
-        a late teardown could confuse. If ours is still there, the same kubelet
-        re-created its socket and still holds our client: hand over as usual.
-        """
-        if self.state in (State.UNSERVED, State.STOPPING, State.STOPPED):
-            return
-        if self.call is not None:
-            if self.call.started >= self.ctx.kubelet.since - OLD_KUBELET_MARGIN_S:
-                return  # it dialled this kubelet (or fails at once): its outcome decides
-            self.call.cancel()  # hanging on a kubelet that is gone
-            self.call = None
-        restarted = not any(s.socket_is_ours() for s in self._kubelet_held())
-        if self.state in (State.REGISTERED, State.VERIFYING):
-            how = "kubelet restarted" if restarted else "kubelet serves a new kubelet.sock"
-            event(WARNING, "kubelet-restarted", f"{self.name}: {how}; registering again", resource=self.name)
-            self.lost_at = now
-        self.redo = None
-        self.backoff.reset()
-        self._attempt(now, "kubelet restarted" if restarted else "new kubelet.sock", wait=not restarted)
-
-    def check_socket(self, now: float) -> None:
-        """After a plugin-directory event: is the socket kubelet knows still ours?"""
-        if self.current is None or self.current.socket_is_ours():
-            return
-        if self.state is State.REGISTERING:
-            self.redo = "our socket was deleted"
-        elif self.state in (State.REGISTERED, State.VERIFYING):
-            event(WARNING, "registration-lost", f"{self.name}: lost registration: our socket {self.current.socket_path} was deleted", resource=self.name, socket=self.current.socket_path)
-            self.lost_at = now
-            self._attempt(now, "our socket was deleted")
-
-    def nudge(self, now: float) -> None:
-        """News from kubelet's directory: a retry that is waiting may go now."""
-        if "retry" in self._timers:
-            self._timers["retry"] = now
-
-    def publish(self, snapshot: Snapshot, now: float) -> None:
-        self.snapshot = snapshot
-        for server in (self.current, self.standby):
-            if server is not None:
-                server.publish(snapshot)
-        if self.state is State.REGISTERED:  # kubelet's count follows: look again soon
-            self._mismatches = 0
-            self._timers["check"] = now + CHECK_FIRST_S
-
-    def reconfigure(self, device: Device, snapshot: Snapshot, now: float) -> None:
-        """The resource's configuration changed on reload: serve it anew, handing over."""
-        self.device = device
-        self.snapshot = snapshot  # for the new sockets only: the old one serves the old device
-        if self.standby is not None:
-            self.standby.stop()
-            self.standby = None
-        if self.state is State.UNSERVED:
-            return
-        if self.state in (State.REGISTERED, State.VERIFYING):
-            self.lost_at = now
-        if self.call is not None:
-            self.redo = "configuration changed"
-        else:
-            self._attempt(now, "configuration changed")
-
-    def on_timer(self, now: float) -> None:
-        for name in [n for n, at in self._timers.items() if at <= now]:
-            self._timers.pop(name, None)
-            getattr(self, "_timer_" + name)(now)
-
-    def begin_stop(self, now: float) -> None:
-        """SIGTERM: end our streams and give kubelet a moment to let go of them."""
-        self._cancel_calls()
-        if self.standby is not None:
-            self.standby.stop()
-            self.standby = None
-        for server in self._kubelet_held():
-            server.end_streams()
-        self._timers = {"stop": now}
-        self._handover_until = now + STOP_WAIT_S
-        self.state = State.STOPPING
+        return min(self.timers.values()) if self.timers else None
 
     @property
     def stopped(self) -> bool:
         return self.state in (State.STOPPED, State.UNSERVED)
 
-    def close(self) -> None:
-        """Stop every server now and remove our sockets."""
+    # --- events: the node and the daemon ---------------------------------------------
+
+    def serve(self, now: float, kubelet_up: bool) -> None:
+        """The device is advertised and the plugin directory exists: get ready, register."""
+        if self.state is not State.UNSERVED:
+            return
+        self.kubelet_up = kubelet_up
+        self._set(State.WAITING, now)
+        if kubelet_up:
+            self._ask_pod_resources("start")  # a previous instance's teardown may be pending
+        if self.standby_possible:
+            self._bind(now, standby=True)
+        if self.state is State.UNSERVED:
+            return
+        self._try_start(now)
+
+    def unserve(self, now: float, why: str) -> None:
+        """The plugin directory is gone: nothing can be served until it is back."""
+        if self.state in (State.UNSERVED, State.STOPPING, State.STOPPED):
+            return
+        if self.state in (State.REGISTERED, State.VERIFYING):
+            self._say(WARNING, "registration-lost", f"{self.name}: lost registration: {why}")
+            self.lost_at = now
         self._close_all()
-        self.state = State.STOPPED
+        self._set(State.UNSERVED, now)
 
-    # --- events from gRPC threads (run on the loop through ctx.post) ---------------
-
-    def on_stream_event(self, kind: str, server: PluginServer) -> None:
-        now = time.monotonic()
-        if kind == STREAM_REFUSED:
-            self.refused_streams += 1
-            if now - self._refused_said >= REFUSED_SAY_EVERY_S:  # a flood of them is one line a minute
-                self._refused_said = now
-                event(ERROR, "stream-refused", f"{self.name}: refused a ListAndWatch stream on {server.socket_path}: {STREAMS_PER_RESOURCE} already open for this resource ({self.refused_streams} refused so far)", resource=self.name, socket=server.socket_path)
-            return
-        if server is not self.current:
-            return  # an old socket's stream, already handed over
-        if kind == STREAM_OPENED:
-            self._stream_open = True
-            if self.state is State.VERIFYING:
-                self._verified(now)
-        elif kind == STREAM_ENDED:
-            self._stream_open = False
-            if self.state is State.REGISTERING:
-                self.redo = "kubelet ended our stream"
-            elif self.state in (State.VERIFYING, State.REGISTERED):
-                event(WARNING, "stream-ended", f"{self.name}: kubelet ended our ListAndWatch stream; registering again", resource=self.name)
-                self.lost_at = now
-                stable = self.registered_at is not None and now - self.registered_at >= STABLE_AFTER_S
-                if stable:
-                    self.backoff.reset()
-                self.state = State.WAITING
-                self._timers["retry"] = now + (0.0 if stable else self.backoff.next())  # no hammering
-
-    def on_register_done(self, call: RegisterCall, error: Optional[str]) -> None:
-        call.close()
-        if call is not self.call:
-            return  # cancelled: a newer kubelet made it moot
-        self.call = None
-        now = time.monotonic()
-        self._stop_retiring()  # kubelet has let go of them, or the wait ran out
-        if error is not None:
-            # A kubelet that appeared since the call began deserves a try at once.
-            retry_now = self.ctx.kubelet.since > call.started
-            self._failed(now, error, 0.0 if retry_now else self.backoff.next())
-            return
-        if self.redo is not None:
-            why, self.redo = self.redo, None
-            self._attempt(now, why)
-            return
-        self.state = State.VERIFYING
-        if self._stream_open:
-            self._verified(now)
-        else:
-            self._timers["verify"] = now + VERIFY_S
-
-    def on_check_done(self, call: AllocatableCall, counted: Optional[dict], error: Optional[str]) -> None:
-        call.close()
-        if call is not self._check:
-            return
-        self._check = None
-        if self.state is not State.REGISTERED:
-            return
-        now = time.monotonic()
-        if error is not None:
-            log.debug("%s: pod-resources did not answer: %s", self.name, error)
-            self._timers["check"] = now + CHECK_EVERY_S
-            return
-        # kubelet lists only the IDs it holds healthy; 0 while we send Healthy means
-        # it stopped counting us (stopped endpoint, disconnected, restored from its checkpoint).
-        count = len(counted.get(self.name, ()))
-        expected = len(self.snapshot.ids) if self.snapshot.healthy else 0
-        self.kubelet_count = count
-        if count == expected or expected == 0:
+    def publish(self, now: float, healthy: bool) -> None:
+        """A new device table was published to our sockets (the performer does that)."""
+        self.healthy = healthy
+        if self.state is State.REGISTERED and self._ask is None:  # kubelet's count follows: look again soon
             self._mismatches = 0
-            self._check_reregistrations = 0
-            self._timers["check"] = now + CHECK_EVERY_S
-            return
-        self._mismatches += 1
-        if self._mismatches < 2:
-            self._timers["check"] = now + CHECK_CONFIRM_S
-            return
-        if self._check_reregistrations >= CHECK_MAX_REREGISTRATIONS:
-            if self._mismatches == 2:
-                event(WARNING, "not-counted", f"{self.name}: kubelet still lists {count} of our {expected} devices as allocatable after {CHECK_MAX_REREGISTRATIONS} registrations; no longer registering again for that (STATUS= keeps showing kubelet's count)", resource=self.name)
-            self._timers["check"] = now + CHECK_EVERY_S
-            return
-        self._check_reregistrations += 1
-        event(WARNING, "not-counted", f"{self.name}: kubelet does not count our devices (pod-resources lists {count} of {expected} as allocatable) although we are registered; registering again", resource=self.name)
-        self.lost_at = now
-        self._attempt(now, "kubelet does not count our devices")
+            self.timers["check"] = now + CHECK_FIRST_S
 
-    # --- timers ------------------------------------------------------------------------
+    def reconfigure(self, now: float, count: int) -> None:
+        """The resource's configuration changed on reload: serve it anew, handing over."""
+        self.count = count
+        if self.standby is not None:  # it serves the old table
+            self._close(self.standby)
+            self.standby = None
+        if self.state in (State.UNSERVED, State.STOPPING, State.STOPPED):
+            return
+        if self.state in (State.REGISTERED, State.VERIFYING):
+            self.lost_at = now
+        self._attempt(now, "configuration changed")
+
+    def stop(self, now: float) -> None:
+        """SIGTERM: end our streams and wait until kubelet has let go of them (bounded)."""
+        if self.state in (State.STOPPING, State.STOPPED):
+            return
+        if self.state is State.UNSERVED:
+            self._set(State.STOPPED, now)
+            return
+        held = self._held()
+        self._cancel_calls()
+        if self.standby is not None:
+            self._close(self.standby)
+            self.standby = None
+        for sid in held:
+            self.actions.append(("end_streams", sid))
+        self.timers = {}
+        self._set(State.STOPPING, now)
+        if not held or not self.kubelet_up or not self._watched & set(held):
+            self._finish_stop(now)
+            return
+        self._let_go_begun, self._let_go_until = now, now + STOP_LIMIT_S
+        self._fixed_until = None
+        self._wait_let_go(now, "stop")
+
+    def close(self, now: float) -> None:
+        """Stop every socket now."""
+        self._close_all()
+        self._set(State.STOPPED, now)
+
+    # --- events: kubelet's directory -------------------------------------------------
+
+    def kubelet_created(self, now: float, at: float, ours_present: bool) -> None:
+        """A new kubelet.sock (created at `at`): kubelet restarted, or re-created its socket.
+
+        A starting kubelet deletes every socket in the directory first, so if none
+        of ours kubelet may hold is still there (`ours_present` False), kubelet
+        restarted: the kubelet that held them is gone and the new one has no client
+        of ours that a late teardown could confuse, so no waiting. If one is still
+        there, the same kubelet re-created its socket and still holds our client."""
+        self.kubelet_up, self.kubelet_at = True, at
+        if self.state in (State.UNSERVED, State.STOPPING, State.STOPPED):
+            return
+        if self.call is not None:
+            if self.call[1] >= at - OLD_KUBELET_MARGIN_S:
+                return  # it dialled this kubelet (or fails at once): its outcome decides
+            self.actions.append(("cancel", self.call[0]))  # hanging on a kubelet that is gone
+            self.call = None
+        if self._ask is not None and self._ask_for != "check":
+            self._cancel_ask()
+        restarted = not ours_present
+        if self.state in (State.REGISTERED, State.VERIFYING):
+            how = "kubelet restarted" if restarted else "kubelet serves a new kubelet.sock"
+            self._say(INFO, "kubelet-restarted", f"{self.name}: {how}; registering again")
+            self.lost_at = now
+        self.redo = None
+        self.backoff.reset()
+        if restarted:
+            self._gone.update(self._held())
+        self._attempt(now, "kubelet restarted" if restarted else "new kubelet.sock", wait=not restarted)
+
+    def kubelet_gone(self, now: float) -> None:
+        """kubelet.sock was deleted: nothing is sent until a new one appears."""
+        self.kubelet_up = False
+        if self.state is State.WAITING and "retry" in self.timers:
+            self.timers["retry"] = now + SLOW_RETRY_S
+
+    def socket_deleted(self, now: float, sid: int) -> None:
+        """A socket file of ours was deleted (kubelet's wipe, or someone else)."""
+        self._gone.add(sid)
+        if sid == self.standby:
+            self._close(sid)
+            self.standby = None
+            self.timers["standby"] = now
+            return
+        if sid != self.current:
+            return
+        if self.state is State.REGISTERING:
+            self.redo = "our socket was deleted"
+        elif self.state in (State.REGISTERED, State.VERIFYING):
+            self._say(INFO, "socket-deleted", f"{self.name}: our socket was deleted; registering again")
+            self.lost_at = now
+            self._attempt(now, "our socket was deleted")
+
+    def nudge(self, now: float) -> None:
+        """News from kubelet's directory: a retry that waits may go now (unless kubelet is down)."""
+        if "retry" in self.timers and self.kubelet_up and now - self.kubelet_at < LISTEN_GRACE_S:
+            self.timers["retry"] = min(self.timers["retry"], now)
+
+    # --- events: our sockets ---------------------------------------------------------
+
+    def bound(self, now: float, sid: int, error: Optional[str]) -> None:
+        """The outcome of ("bind", sid, ...)."""
+        if error is not None:
+            self._serve_error(now, error)
+            return
+        self._bound.add(sid)
+        if sid == self._placing:
+            self._placed(now, sid)
+        elif sid == self.standby:
+            self.serve_error = None
+            if self.state is State.WAITING and self.current is None:
+                self._try_start(now)
+
+    def placed(self, now: float, sid: int, error: Optional[str]) -> None:
+        """The outcome of ("place", sid)."""
+        if sid != self._placing:
+            return
+        if error is not None:
+            self._placing = None
+            self._close(sid)
+            self._serve_error(now, error)
+            return
+        self._placed(now, sid)
+
+    def stream_opened(self, now: float, sid: int) -> None:
+        self._watched.add(sid)
+        if sid != self.current:
+            return
+        self._stream_open = True
+        if self.state is State.VERIFYING:
+            self._verified(now)
+
+    def list_sent(self, now: float, sid: int) -> None:
+        """kubelet has `sid`'s first device list: the work that could wait may go now."""
+        if sid != self.current or self._list_sent:
+            return
+        self._list_sent = True
+        if self.state is State.REGISTERED:
+            self._after_first_list(now)
+
+    def stream_ended(self, now: float, sid: int) -> None:
+        """kubelet ended its ListAndWatch on `sid` (not we)."""
+        if sid != self.current:
+            return  # an old socket's stream, already handed over
+        self._stream_open = False
+        if self.state is State.REGISTERING:
+            self.redo = "kubelet ended our stream"
+        elif self.state in (State.VERIFYING, State.REGISTERED):
+            self._say(INFO, "stream-ended", f"{self.name}: kubelet ended our ListAndWatch stream; registering again")
+            self.lost_at = now
+            stable = self.registered_at is not None and now - self.registered_at >= STABLE_AFTER_S
+            if stable:
+                self.backoff.reset()
+                self._attempt(now, "kubelet ended our stream")
+            else:  # no hammering a kubelet that keeps ending it
+                self._waiting(now, "kubelet ended our stream")
+                self._retry_same = False
+                self.timers["retry"] = now + self.backoff.next()
+
+    def stream_refused(self, now: float, sid: int, limit: int, where: str = "") -> None:
+        self.refused_streams += 1
+        if now - self._refused_said >= REFUSED_SAY_EVERY_S:  # a flood of them is one line a minute
+            self._refused_said = now
+            self._say(ERROR, "stream-refused", f"{self.name}: refused a ListAndWatch stream on {where or sid}: {limit} already open for this resource ({self.refused_streams} refused so far)")
+
+    # --- events: calls to kubelet ----------------------------------------------------
+
+    def register_done(self, now: float, cid: int, outcome: str, reason: str = "") -> None:
+        if self.call is None or self.call[0] != cid:
+            return  # cancelled: a newer kubelet made it moot
+        started = self.call[1]
+        self.call = None
+        self._stop_retiring()  # kubelet let go of them before we registered, or it restarted
+        if outcome == OK:
+            if self.redo is not None:
+                why, self.redo = self.redo, None
+                self._attempt(now, why)
+                return
+            self._set(State.VERIFYING, now)
+            if self._stream_open:
+                self._verified(now)
+            else:
+                self.timers["verify"] = now + VERIFY_S
+            return
+        if self.redo is not None and self.kubelet_at > started:
+            self.redo = None
+        if outcome == REFUSED and self.current is not None and self.current not in self._gone:
+            # kubelet.sock is there but nobody listens: just created (try again at once, on
+            # the same socket), or left by a kubelet that is gone (wait for a new one).
+            since = now - self.kubelet_at
+            self._waiting(now, reason or "kubelet is not accepting connections")
+            self._retry_same = True
+            if not self.kubelet_up or since >= LISTEN_GRACE_S:
+                delay = SLOW_RETRY_S
+            elif since < FAST_WINDOW_S:
+                delay = FAST_RETRY_S
+            else:
+                delay = self.backoff.next()
+            self.timers["retry"] = now + delay
+            return
+        # kubelet answered with an error, or did not answer: it may have half a client of
+        # ours; that socket retires and the next try hands over from it.
+        retry_now = self.kubelet_at > started  # a kubelet that appeared since deserves a try at once
+        self._waiting(now, reason or "Register failed")
+        self._retry_same = False
+        self.timers["retry"] = now + (0.0 if retry_now else self.backoff.next())
+
+    def allocatable_done(self, now: float, cid: int, result) -> None:
+        """The outcome of ("ask", cid): how many of our devices kubelet lists, or PR_*."""
+        if cid != self._ask:
+            return
+        self._ask = None
+        purpose = self._ask_for
+        if isinstance(result, int):
+            self._pod_resources_seen(True)
+        elif result == PR_ABSENT:
+            self._pod_resources_seen(False)
+        if purpose == "start":
+            self._start_answer(now, result)
+        elif purpose in ("let-go", "stop"):
+            self._let_go_answer(now, result, purpose)
+        elif purpose == "relist":
+            self._relist_answer(now, result)
+        elif purpose == "check":
+            self._check_answer(now, result)
+
+    # --- the clock ---------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        for name in [n for n, at in self.timers.items() if at <= now]:
+            if self.timers.get(name, now + 1) <= now:
+                del self.timers[name]
+                getattr(self, "_timer_" + name.replace("-", "_"))(now)
 
     def _timer_retry(self, now: float) -> None:
-        if self.state is State.WAITING:
-            self.ctx.kubelet.refresh(created=False)
-            self._attempt(now, self.last_error or "retry")
+        if self.state is not State.WAITING or self.call is not None:
+            return
+        if self._retry_same and self.current is not None and self.current not in self._gone:
+            if self.kubelet_up:
+                self._send_register(now, self.current)
+            else:
+                self.timers["retry"] = now + SLOW_RETRY_S
+            return
+        self._attempt(now, self.last_error or "retry")
 
     def _timer_standby(self, now: float) -> None:
-        if self.state not in (State.UNSERVED, State.STOPPING, State.STOPPED):
-            self._ensure_standby()
+        if self.state not in (State.UNSERVED, State.STOPPING, State.STOPPED) and self.standby is None \
+                and self.standby_possible:
+            self._bind(now, standby=True)
 
-    def _timer_handover(self, now: float) -> None:
-        if self.state is not State.HANDOVER:
-            return
-        held = sockets.connections(s.bind_path for s in self.retiring)
-        if held > 0 and now < self._handover_until:
-            self._timers["handover"] = now + POLL_S
-            return
-        if held > 0 and self._settle_at is None:
-            event(WARNING, "handover-timeout", f"{self.name}: kubelet still holds {held} connection(s) to our old socket after {HANDOVER_LIMIT_S:.0f} s; registering anyway", resource=self.name)
-        elif held < 0:  # /proc/self/net/unix unreadable: a fixed wait instead
-            log.debug("%s: cannot read /proc/self/net/unix; waiting %.1f s instead", self.name, 10 * SETTLE_S)
-            if self._settle_at is None:
-                self._settle_at = now + 10 * SETTLE_S
-        if self._settle_at is None:
-            self._settle_at = now + SETTLE_S
-        if now < self._settle_at:
-            self._timers["handover"] = self._settle_at
-            return
-        log.debug("%s: handover done after %.0f ms", self.name, (now - self._handover_until + HANDOVER_LIMIT_S) * 1000)
-        self._register(now)
+    def _timer_serve(self, now: float) -> None:
+        if self.state is State.UNSERVED:  # binding failed: a directory made writable raises no event
+            self.serve(now, self.kubelet_up)
+
+    def _timer_let_go(self, now: float) -> None:
+        if self.state is State.LETTING_GO:
+            self._wait_let_go(now, "let-go")
+        elif self.state is State.STOPPING:
+            self._wait_let_go(now, "stop")
 
     def _timer_verify(self, now: float) -> None:
         if self.state is not State.VERIFYING:
             return
-        event(WARNING, "not-watched", f"{self.name}: kubelet accepted the registration of {os.path.basename(self.current.socket_path)} but opened no ListAndWatch within {VERIFY_S:.0f} s; registering again", resource=self.name)
+        self._say(WARNING, "not-watched", f"{self.name}: kubelet accepted the registration but opened no ListAndWatch within {VERIFY_S:.0f} s; registering again")
         self.lost_at = now
         self._attempt(now, "kubelet never opened ListAndWatch")
 
     def _timer_check(self, now: float) -> None:
-        if self.state is not State.REGISTERED or self._check is not None:
-            return
-        path = self.ctx.kubelet.pod_resources
-        seen = os.path.exists(path)
-        if seen != self.ctx.pod_resources_seen:
-            if not seen:
-                event(INFO, "pod-resources", f"kubelet's pod-resources API is not at {path}: not cross-checking that kubelet counts our devices")
-            elif self.ctx.pod_resources_seen is False:
-                event(INFO, "pod-resources", f"kubelet's pod-resources API is at {path}: cross-checking that kubelet counts our devices")
-            self.ctx.pod_resources_seen = seen
-        if not seen:
-            self._timers["check"] = now + CHECK_EVERY_S
-            return
-        self._check = AllocatableCall(path, lambda c, result, error: self.ctx.post(partial(self.on_check_done, c, result, error)))
+        if self.state is State.REGISTERED and self._ask is None:
+            self._ask_pod_resources("check")
 
     def _timer_warn(self, now: float) -> None:
-        if self.state is State.REGISTERED or self.registrations == 0 or self._failing_since is None:
+        if self.state is State.REGISTERED or self.registrations == 0 or self.failing_since is None:
             return
-        took = now - self._failing_since
-        event(WARNING, "still-unregistered", f"{self.name}: not registered with kubelet for {took:.0f} s: {self.last_error}", resource=self.name)
-        self._timers["warn"] = now + WARN_EVERY_S
+        took = now - self.failing_since
+        self._say(WARNING, "still-unregistered", f"{self.name}: not registered with kubelet for {took:.0f} s: {self.last_error}")
+        self.timers["warn"] = now + WARN_EVERY_S
 
-    def _timer_stop(self, now: float) -> None:
-        held = sockets.connections(s.bind_path for s in self._kubelet_held())
-        if held > 0 and now < self._handover_until:
-            self._timers["stop"] = now + POLL_S
+    # --- transitions -------------------------------------------------------------------
+
+    def _set(self, state: State, now: float) -> None:
+        if state is not self.state:
+            self.state, self.changed_at = state, now
+
+    def _try_start(self, now: float) -> None:
+        """Start-up: register once a socket is ready and pod-resources has answered."""
+        if self.current is not None or self.call is not None or self._placing is not None:
             return
-        log.debug("%s: kubelet let go of our sockets after %.0f ms (%d still held)", self.name, (now - self._handover_until + STOP_WAIT_S) * 1000, max(held, 0))
-        self._close_all()
-        self.state = State.STOPPED
+        if self._ask is not None and self._ask_for == "start":
+            return  # its answer decides
+        if self.standby_possible and self.standby not in self._bound:
+            return  # bound() comes back here
+        if not self.kubelet_up:
+            self._waiting(now, "kubelet.sock does not exist yet", first=True)
+            self.timers["retry"] = now + SLOW_RETRY_S
+            return
+        self._register(now, "first registration")
 
-    # --- transitions -----------------------------------------------------------------
+    def _start_answer(self, now: float, result) -> None:
+        if self.state is not State.WAITING:
+            return
+        if isinstance(result, int) and result > 0:
+            # No instance of ours is registered, yet kubelet lists the resource: an earlier
+            # instance's stream is still being torn down. Registering now could be undone by it.
+            self._say(INFO, "earlier-instance", f"{self.name}: kubelet still lists {result} devices of an earlier instance; waiting for it to let go")
+            self._set(State.LETTING_GO, now)
+            self._let_go_begun, self._let_go_until = now, now + LET_GO_LIMIT_S
+            self._fixed_until = None
+            self._unlisted_while_streaming = False
+            self.timers["let-go"] = now + LET_GO_POLL_S
+            return
+        self._try_start(now)
 
     def _attempt(self, now: float, why: str, wait: bool = True) -> None:
-        """Register on a fresh socket. First the socket kubelet knew retires (its
-        streams end) and, unless kubelet restarted (`wait` False), kubelet is
-        given time to let go of it."""
-        if self.call is not None:
+        """Register on a fresh socket. First the socket kubelet knew retires (its streams
+        end) and, unless kubelet restarted (`wait` False), kubelet is given time to let go."""
+        if self.call is not None or self._placing is not None:
             self.redo = why  # one Register in flight per resource
             return
-        for name in ("retry", "verify", "check", "handover"):
-            self._timers.pop(name, None)
+        for name in ("retry", "verify", "check", "let-go"):
+            self.timers.pop(name, None)
+        if self._ask is not None and self._ask_for != "start":
+            self._cancel_ask()
+        self._retry_same = False
         if self.current is not None:
-            self.current.end_streams()
+            self.actions.append(("end_streams", self.current))
             self.retiring.append(self.current)
             self.current = None
-            self._stream_open = False
-        if not self.ctx.kubelet.serving:
-            # Its creation event wakes us; the timer is for one that came before a
-            # re-created directory was watched again.
-            self._failed(now, "kubelet.sock does not exist yet", self.backoff.next())
+            self._stream_open = self._list_sent = False
+        if not self.kubelet_up:
+            # Its creation wakes us; the slow timer is for an event that was lost.
+            self._waiting(now, "kubelet.sock does not exist")
+            self.timers["retry"] = now + SLOW_RETRY_S
             return
-        log.debug("%s: registering (%s)", self.name, why)
-        # Without `wait` the old servers are stopped once Register is on its way (on_register_done).
-        if wait and (any(s.kubelet_connected for s in self.retiring) or sockets.connections(s.bind_path for s in self.retiring) > 0):
-            self.state = State.HANDOVER
-            self._handover_until = now + HANDOVER_LIMIT_S
-            self._settle_at = None
-            self._timers["handover"] = now + POLL_S
+        held = [s for s in self.retiring if s in self._watched and s not in self._gone]
+        if wait and held:
+            self._set(State.LETTING_GO, now)
+            self._why = why
+            self._let_go_begun, self._let_go_until = now, now + LET_GO_LIMIT_S
+            self._fixed_until = None
+            self._wait_let_go(now, "let-go")
             return
-        self._register(now, urgent=not wait)
+        self._register(now, why)
 
-    def _register(self, now: float, urgent: bool = False) -> None:
-        """Put a fresh socket in place (so it cannot have been wiped) and Register it.
-
-        The standby is kept for `urgent` Registers: a kubelet that just started admits
-        pods within milliseconds. Others (a handover, a retry, perhaps against a dead
-        kubelet's socket) bind a socket now, about 12 ms, and leave the standby ready."""
-        if not self._promote(use_standby=urgent or self._n_registers == 0):
+    def _wait_let_go(self, now: float, purpose: str) -> None:
+        """One step of waiting for kubelet to let go of our old sockets."""
+        if self._fixed_until is not None:
+            if now < self._fixed_until:
+                self.timers["let-go"] = self._fixed_until
+                return
+            self._let_go_done(now, purpose)
             return
-        path = self.current.socket_path
-        level = INFO if self.registrations == 0 and self._n_registers == 0 else DEBUG
-        event(level, "serving", f"{self.name}: serving {self.device.count} units of {self.device.path} on {path}", resource=self.name, device=self.device.path, socket=path)
-        self._n_registers += 1
-        self.state = State.REGISTERING
-        self.call = RegisterCall(
-            self.ctx.plugin_dir,
-            self.name,
-            os.path.basename(self.current.socket_path),
-            lambda c, _result, error: self.ctx.post(partial(self.on_register_done, c, error)),
-        )
-        self._timers["standby"] = now  # the next socket, now that Register is on its way
+        if self.pod_resources is False or not self.healthy or self._unlisted_while_streaming:
+            # kubelet's count cannot show the teardown: a fixed wait instead.
+            self._fixed_until = min(now + FIXED_WAIT_S, self._let_go_until)
+            self.timers["let-go"] = self._fixed_until
+            return
+        self._ask_pod_resources(purpose)
+
+    def _let_go_answer(self, now: float, result, purpose: str) -> None:
+        expected = State.STOPPING if purpose == "stop" else State.LETTING_GO
+        if self.state is not expected:
+            return
+        if isinstance(result, int) and result > 0:
+            if now < self._let_go_until:
+                self.timers["let-go"] = now + LET_GO_POLL_S
+                return
+            self._say(WARNING, "let-go-timeout", f"{self.name}: kubelet still lists our old socket's devices after {now - self._let_go_begun:.0f} s; {'exiting' if purpose == 'stop' else 'registering'} anyway")
+            self._let_go_done(now, purpose)
+        elif isinstance(result, int):
+            self._let_go_done(now, purpose)
+        elif result == PR_REFUSED:  # pod-resources is served by kubelet itself: kubelet is down
+            if purpose == "stop":
+                self._let_go_done(now, purpose)
+            else:
+                self._stop_retiring()
+                self._waiting(now, "kubelet is not accepting connections")
+                self.timers["retry"] = now + SLOW_RETRY_S
+        else:  # not served, or it failed: a fixed wait
+            self._fixed_until = min(now + FIXED_WAIT_S, self._let_go_until)
+            self.timers["let-go"] = self._fixed_until
+
+    def _let_go_done(self, now: float, purpose: str) -> None:
+        self.timers.pop("let-go", None)
+        self._unlisted_while_streaming = False
+        if purpose == "stop":
+            self._finish_stop(now)
+            return
+        self._stop_retiring()
+        self._register(now, self._why or "registering again")
+
+    def _finish_stop(self, now: float) -> None:
+        self._close_all()
+        self._set(State.STOPPED, now)
+
+    def _register(self, now: float, why: str) -> None:
+        """Put a socket in place (the standby if one is ready, so it cannot have been
+        wiped) and Register it."""
+        self._why = why
+        self._unlisted_while_streaming = False
+        self._set(State.REGISTERING, now)
+        self.reasons[why] = self.reasons.get(why, 0) + 1
+        self._say(DEBUG, "registering", f"{self.name}: registering ({why})")
+        if self.standby is not None and self.standby in self._bound:
+            sid, self.standby = self.standby, None
+            self._placing = sid
+            self.actions.append(("place", sid))
+        else:  # none ready (a standby still binding stays the standby)
+            self._placing = self._bind(now, standby=False)
+
+    def _placed(self, now: float, sid: int) -> None:
+        self._placing = None
+        self.current = sid
+        self._stream_open = sid in self._watched
+        self._list_sent = False
+        self._send_register(now, sid)
+
+    def _send_register(self, now: float, sid: int) -> None:
+        self._registers_sent += 1
+        self._cid += 1
+        self.call = (self._cid, now)
+        self._set(State.REGISTERING, now)
+        self.actions.append(("register", self._cid, sid))
 
     def _verified(self, now: float) -> None:
-        self._timers.pop("verify", None)
-        self._timers.pop("warn", None)
-        self.state = State.REGISTERED
+        self.timers.pop("verify", None)
+        self.timers.pop("warn", None)
+        self._set(State.REGISTERED, now)
         self.registrations += 1
         self.registered_at = now
-        self.last_error = self.error_since = self._failing_since = None
+        self.last_error = self.failing_since = None
         self._mismatches = 0
-        self._timers["check"] = now + CHECK_FIRST_S
-        socket = os.path.basename(self.current.socket_path)
         if self.lost_at is not None:
             took = now - self.lost_at
-            self.last_reregistration = (time.time(), took)
+            self.last_reregistration = (now, took)
             self.lost_at = None
-            event(INFO, "reregistered", f"{self.name}: registered again with kubelet ({took * 1000:.0f} ms after the loss), on {socket}", resource=self.name, socket=socket)
+            self._say(INFO, "reregistered", f"{self.name}: registered again with kubelet ({took * 1000:.0f} ms after the loss)")
         elif self.registrations == 1:
-            event(INFO, "registered", f"{self.name}: registered with kubelet ({self.device.count} units of {self.device.path}), on {socket}", resource=self.name, socket=socket)
+            self._say(INFO, "registered", f"{self.name}: registered with kubelet ({self.count} units of {self.device_path})")
         else:
-            event(INFO, "reregistered", f"{self.name}: registered again with kubelet, on {socket}", resource=self.name, socket=socket)
+            self._say(INFO, "reregistered", f"{self.name}: registered again with kubelet")
+        if self._list_sent:
+            self._after_first_list(now)
 
-    def _failed(self, now: float, reason: str, delay: float) -> None:
-        self._waiting(now, reason)
-        self._timers["retry"] = now + delay
+    def _after_first_list(self, now: float) -> None:
+        if self.standby is None and self.standby_possible:
+            self.timers["standby"] = now
+        self.timers["check"] = now + CHECK_FIRST_S
 
-    def _waiting(self, now: float, reason: str) -> None:
-        self.state = State.WAITING
+    def _waiting(self, now: float, reason: str, first: bool = False) -> None:
+        self._set(State.WAITING, now)
         if reason != self.last_error and self.registrations == 0:
-            event(INFO, "waiting-for-kubelet", f"{self.name}: waiting for kubelet: {reason}", resource=self.name)
+            self._say(INFO, "waiting-for-kubelet", f"{self.name}: waiting for kubelet: {reason}")
         else:  # retries, and the expected gaps of a restarting kubelet
-            log.debug("%s: waiting for kubelet: %s", self.name, reason)
+            self._say(DEBUG, "waiting-for-kubelet", f"{self.name}: waiting for kubelet: {reason}")
         self.last_error = reason
-        if self._failing_since is None:
-            self._failing_since = now
-            self.error_since = time.time()
+        if self.failing_since is None:
+            self.failing_since = now
             if self.registrations > 0:
-                self._timers["warn"] = now + WARN_AFTER_S
+                self.timers["warn"] = now + WARN_AFTER_S
 
-    # --- sockets ---------------------------------------------------------------------
+    # --- the pod-resources check -----------------------------------------------------------
 
-    def _next_name(self) -> str:
-        self._n += 1
-        return sockets.socket_name(self.name, self.ctx.run_id, self._n)
+    def _ask_pod_resources(self, purpose: str) -> None:
+        if self._ask is not None:
+            self._cancel_ask()
+        self._cid += 1
+        self._ask, self._ask_for = self._cid, purpose
+        self.actions.append(("ask", self._cid))
 
-    def _new_server(self, path: str) -> PluginServer:
-        server = PluginServer(self.device, path, self.ctx.workers, self._slots, self._post_stream_event)
-        server.publish(self.snapshot)
-        server.start()
-        return server
+    def _cancel_ask(self) -> None:
+        self.actions.append(("cancel", self._ask))
+        self._ask = None
 
-    def _post_stream_event(self, kind: str, server: PluginServer) -> None:
-        self.ctx.post(partial(self.on_stream_event, kind, server))
-
-    def _ensure_standby(self) -> bool:
-        """Bind the next socket in the standby directory, where kubelet's wipe
-        cannot reach it. False (and the reason logged) when nothing can be bound.
-        Where that path would be too long for a unix socket, nothing is bound in
-        advance: `_promote` binds in place, about 12 ms slower."""
-        if self.standby is not None:
-            return True
-        directory = os.path.join(self.ctx.plugin_dir, sockets.STANDBY_DIR)
-        path = os.path.join(directory, self._next_name())
-        try:
-            if len(os.fsencode(path)) > sockets.MAX_SOCKET_PATH:
-                if not os.access(self.ctx.plugin_dir, os.W_OK):
-                    raise OSError("cannot bind the socket: the directory is not writable")
-                self._n -= 1
-                return True
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            self.standby = self._new_server(path)
-        except OSError as e:
-            return self._serve_error(path, e)
-        self.serve_error = None
-        return True
-
-    def _promote(self, use_standby: bool) -> bool:
-        """Put the standby (or a socket bound now) in place."""
-        server = None
-        if use_standby:
-            server, self.standby = self.standby, None
-        try:
-            if server is None:  # not urgent, or none ready: bind one in place
-                server = self._new_server(os.path.join(self.ctx.plugin_dir, self._next_name()))
-            else:
-                server.move_to(os.path.join(self.ctx.plugin_dir, os.path.basename(server.bind_path)))
-        except OSError as e:
-            if server is not None:
-                server.stop()
-            return self._serve_error(self.ctx.plugin_dir, e)
-        self.current = server
-        self._stream_open = False
-        return True
-
-    def _serve_error(self, path: str, e: OSError) -> bool:
-        self._close_all()
-        self.state = State.UNSERVED
-        if self.ctx.serve_failed(path, e):
-            return False
-        error = f"{self.name}: cannot serve on {path}: {e.strerror or e}"
-        if self.serve_error is None:  # retried on every wake-up (each with a new name); said once
-            event(ERROR, "serve-failed", error, resource=self.name, socket=path)
+    def _pod_resources_seen(self, served: bool) -> None:
+        if served == self.pod_resources:
+            return
+        if served:
+            self._say(INFO, "pod-resources", "kubelet's pod-resources API is served: checking through it that kubelet counts our devices, and waiting for kubelet's teardown of an old socket by it", once="pod-resources-served")
         else:
-            log.debug("%s", error)
-        self.serve_error = error
-        # Retried on a timer too: a directory made writable again (a remount) raises no event.
-        self._timers["standby"] = time.monotonic() + self.backoff.next()
-        return False
+            self._say(INFO, "pod-resources", f"kubelet's pod-resources API is not served: not checking that kubelet counts our devices; waiting a fixed {FIXED_WAIT_S * 1000:.0f} ms for kubelet to let go of an old socket", once="pod-resources-absent")
+        self.pod_resources = served
 
-    def _kubelet_held(self) -> List[PluginServer]:
+    def _check_answer(self, now: float, result) -> None:
+        if self.state is not State.REGISTERED:
+            return
+        if not isinstance(result, int):
+            self.timers["check"] = now + CHECK_EVERY_S
+            return
+        # kubelet lists only the IDs it holds healthy; 0 while we send Healthy means it
+        # stopped counting us (stopped endpoint, disconnected, restored from its checkpoint).
+        expected = self.count if self.healthy else 0
+        self.kubelet_count = result
+        if result == expected or expected == 0:
+            self._mismatches = 0
+            self._check_rereg = 0
+            self.timers["check"] = now + CHECK_EVERY_S
+            return
+        self._mismatches += 1
+        if self._mismatches < 2:
+            self.timers["check"] = now + CHECK_CONFIRM_S
+            return
+        wait = CHECK_BACKOFF_S[min(self._check_rereg, len(CHECK_BACKOFF_S) - 1)]
+        if now < self._check_rereg_at + wait:
+            self.timers["check"] = min(self._check_rereg_at + wait, now + CHECK_EVERY_S)
+            return
+        self._check_rereg += 1
+        self._check_rereg_at = now
+        self._say(WARNING, "not-counted", f"{self.name}: kubelet does not count our devices (pod-resources lists {result} of {expected} as allocatable) although we are registered; registering again (time {self._check_rereg} in a row)")
+        self.lost_at = now
+        if result == 0 and self._stream_open:
+            # A stopped endpoint whose stream is open (kubelet <= 1.36) lists nothing, so its
+            # teardown would not show. A fresh device list makes kubelet list us again first.
+            self.actions.append(("resend", self.current))
+            self._relist_until = now + RELIST_LIMIT_S
+            self._ask_pod_resources("relist")
+            return
+        self._attempt(now, "kubelet does not count our devices")
+
+    def _relist_answer(self, now: float, result) -> None:
+        if self.state is not State.REGISTERED:
+            return
+        if isinstance(result, int) and result == 0 and now < self._relist_until:
+            self._ask_pod_resources("relist")
+            return
+        self._unlisted_while_streaming = not (isinstance(result, int) and result > 0)
+        self._attempt(now, "kubelet does not count our devices")
+
+    # --- sockets ---------------------------------------------------------------------------
+
+    def _bind(self, now: float, standby: bool) -> int:
+        self._sid += 1
+        sid = self._sid
+        if standby:
+            self.standby = sid
+        self.actions.append(("bind", sid, standby))
+        return sid
+
+    def _close(self, sid: int) -> None:
+        self._bound.discard(sid)
+        self.actions.append(("close", sid))
+
+    def held(self) -> List[int]:
+        """The sockets kubelet may hold: the current one and those retiring."""
+        return self._held()
+
+    def _held(self) -> List[int]:
         return [s for s in [self.current] + self.retiring if s is not None]
 
     def _stop_retiring(self) -> None:
-        for server in self.retiring:
-            server.stop()
+        for sid in self.retiring:
+            self._close(sid)
         self.retiring = []
 
     def _cancel_calls(self) -> None:
-        """Cancel our calls to kubelet; their outcomes, when they arrive, are ignored."""
         if self.call is not None:
-            self.call.cancel()
+            self.actions.append(("cancel", self.call[0]))
             self.call = None
-        if self._check is not None:
-            self._check.cancel()
-            self._check = None
+        if self._ask is not None:
+            self._cancel_ask()
 
     def _close_all(self) -> None:
         self._cancel_calls()
-        for server in self._kubelet_held() + ([self.standby] if self.standby else []):
-            server.stop()
-        self.current, self.standby, self.retiring = None, None, []
-        self._stream_open = False
-        keep = {"standby"} if self.state is State.UNSERVED else set()
-        self._timers = {k: v for k, v in self._timers.items() if k in keep}
+        for sid in self._held() + ([self.standby] if self.standby is not None else []) + \
+                ([self._placing] if self._placing is not None else []):
+            self._close(sid)
+        self.current = self.standby = self._placing = None
+        self.retiring = []
+        self._stream_open = self._list_sent = False
+        self.redo = None
+        self.timers = {k: v for k, v in self.timers.items() if k == "serve"}
 
-    # --- reporting -------------------------------------------------------------------
+    def _serve_error(self, now: float, error: str) -> None:
+        self._close_all()
+        self._set(State.UNSERVED, now)
+        text = f"{self.name}: cannot serve: {error}"
+        if self.serve_error is None:  # retried on every wake-up; said once
+            self._say(ERROR, "serve-failed", text)
+        self.serve_error = text
+        self.timers["serve"] = now + self.backoff.next()
 
-    def describe(self) -> str:
-        """This resource's part of STATUS=."""
+    def _say(self, level: int, kind: str, text: str, once: Optional[str] = None) -> None:
+        self.actions.append(("say", level, kind, text, once))
+
+    # --- reporting -------------------------------------------------------------------------
+
+    def describe(self, now: float, wall_now: float) -> str:
+        """This resource's part of STATUS= (`wall_now`: the wall clock at `now`)."""
+        import time as _time  # formatting only
+
+        def clock(at: float) -> str:
+            return _time.strftime("%H:%M:%S", _time.localtime(wall_now - (now - at)))
+
         s = self.state
         if s is State.REGISTERED:
-            healthy = len(self.snapshot.ids) if self.snapshot.healthy else 0
-            text = f"registered, {healthy}/{self.device.count} healthy"
-            if self.kubelet_count is not None and self.kubelet_count != healthy:
+            healthy = self.count if self.healthy else 0
+            text = f"registered, {healthy}/{self.count} healthy"
+            if self.kubelet_count is not None:
                 text += f", kubelet counts {self.kubelet_count}"
             if self.last_reregistration:
                 at, took = self.last_reregistration
-                text += f", re-registered {time.strftime('%H:%M:%S', time.localtime(at))} in {took * 1000:.0f} ms"
-        elif s in (State.REGISTERING, State.VERIFYING, State.HANDOVER):
+                text += f", re-registered {clock(at)} in {took * 1000:.0f} ms"
+        elif s in (State.REGISTERING, State.VERIFYING, State.LETTING_GO):
             text = "registering with kubelet"
         elif s is State.UNSERVED:
-            text = "not served" + (f": {self.serve_error.split(': ', 1)[1]}" if self.serve_error else "")
+            text = "not served" + (f": {self.serve_error.split(': ', 2)[-1]}" if self.serve_error else "")
         else:
             text = "waiting for kubelet"
-            if self.last_error and self.error_since is not None and self.registrations > 0:
-                text += f" since {time.strftime('%H:%M:%S', time.localtime(self.error_since))}: {self.last_error}"
+            if self.last_error and self.failing_since is not None and self.registrations > 0:
+                text += f" since {clock(self.failing_since)}: {self.last_error}"
         if self.refused_streams:
             text += f", {self.refused_streams} stream(s) refused"
         return text

@@ -385,7 +385,7 @@ def test_failing_after_a_registration_is_a_warning_with_the_reason_in_status(dae
     (then at most once a minute), and STATUS= says why and since when."""
     kubelet.kill()  # kubelet.sock stays behind, refusing every Register
     warned = re.compile(r"WARNING ate.dev/kvm: not registered with kubelet for \d+ s: kubelet is not accepting connections")
-    assert wait_until(lambda: warned.search(daemon.log()), 20), daemon.log()
+    assert wait_until(lambda: warned.search(daemon.log()), 30), daemon.log()
     assert re.search(r"ate.dev/kvm: waiting for kubelet since \d\d:\d\d:\d\d: kubelet is not accepting connections",
                      daemon.status() or ""), daemon.status()
     assert len(warned.findall(daemon.log())) == 1
