@@ -84,7 +84,8 @@ class Registrar:
     # --- events from the loop, passed on -----------------------------------------------
 
     def serve(self, now: float) -> None:
-        self.machine.serve(now, self.ctx.kubelet.serving)
+        k = self.ctx.kubelet
+        self.machine.serve(now, k.serving, self._on_our_clock(now, k.since) if k.serving else None)
         self._perform()
 
     def unserve(self, now: float, why: str) -> None:
@@ -92,7 +93,7 @@ class Registrar:
         self._perform()
 
     def kubelet_started(self, now: float) -> None:
-        at = now - max(0.0, time.time() - self.ctx.kubelet.since)  # its ctime, on our clock
+        at = self._on_our_clock(now, self.ctx.kubelet.since)
         ours = any(self._is_ours(sid) for sid in self.machine.held())
         self.machine.kubelet_created(now, at, ours)
         self._perform()
@@ -205,8 +206,11 @@ class Registrar:
                               lambda kind, _server, sid=sid: self.ctx.post(partial(self._stream_event, kind, sid)))
         server.publish(self.snapshot)
         try:
-            if standby:
-                os.makedirs(directory, mode=0o700, exist_ok=True)
+            if standby:  # never the plugin directory itself: that is kubelet's to make
+                try:
+                    os.mkdir(directory, mode=0o700)
+                except FileExistsError:
+                    pass
             server.start()
         except OSError as e:
             server.stop()
@@ -275,6 +279,11 @@ class Registrar:
             log.debug("%s", text)
         else:
             event(level, kind, text, resource=self.name)
+
+    @staticmethod
+    def _on_our_clock(now: float, wall: float) -> float:
+        """A wall-clock time (kubelet.sock's ctime) on the monotonic clock."""
+        return now - max(0.0, time.time() - wall)
 
     def _is_ours(self, sid: int) -> bool:
         server = self.servers.get(sid)

@@ -52,7 +52,7 @@ CHECK_BACKOFF_S = (0.0, 30.0, 60.0, 120.0, 300.0)  # between re-registrations th
 STOP_LIMIT_S = 5.0  # on SIGTERM, wait this long at most for kubelet to let go (TimeoutStopSec=20s)
 FAST_RETRY_S = 0.0005  # kubelet.sock exists but is not listening yet: try again this soon ...
 FAST_WINDOW_S = 0.005  # ... for this long after it appeared, then back off
-LISTEN_GRACE_S = 1.0  # refused this long after kubelet.sock appeared: that kubelet is gone
+LISTEN_GRACE_S = 5.0  # a Register refused though sent this long after kubelet.sock appeared: that kubelet is gone
 SLOW_RETRY_S = 10.0  # kubelet down: look again this often, in case an event was lost
 WARN_AFTER_S = 20.0  # failing this long after a first registration (past any kubelet restart): a WARNING ...
 WARN_EVERY_S = 60.0  # ... and again at most this often
@@ -184,11 +184,14 @@ class Registration:
 
     # --- events: the node and the daemon ---------------------------------------------
 
-    def serve(self, now: float, kubelet_up: bool) -> None:
-        """The device is advertised and the plugin directory exists: get ready, register."""
+    def serve(self, now: float, kubelet_up: bool, kubelet_at: Optional[float] = None) -> None:
+        """The device is advertised and the plugin directory exists: get ready, register.
+        `kubelet_at`: when the kubelet.sock there now appeared, if it is there."""
         if self.state is not State.UNSERVED:
             return
         self.kubelet_up = kubelet_up
+        if kubelet_at is not None:
+            self.kubelet_at = kubelet_at
         self._set(State.WAITING, now)
         if kubelet_up:
             self._ask_pod_resources("start")  # a previous instance's teardown may be pending
@@ -405,7 +408,7 @@ class Registration:
         if outcome == REFUSED and self.current is not None and self.current not in self._gone:
             # kubelet.sock is there but nobody listens: just created (try again at once, on
             # the same socket), or left by a kubelet that is gone (wait for a new one).
-            since = now - self.kubelet_at
+            since = started - self.kubelet_at
             self._waiting(now, reason or "kubelet is not accepting connections")
             self._retry_same = True
             if not self.kubelet_up or since >= LISTEN_GRACE_S:
@@ -694,9 +697,9 @@ class Registration:
         if served == self.pod_resources:
             return
         if served:
-            self._say(INFO, "pod-resources", "kubelet's pod-resources API is served: checking through it that kubelet counts our devices, and waiting for kubelet's teardown of an old socket by it", once="pod-resources-served")
+            self._say(INFO, "pod-resources", "kubelet's pod-resources API is served: it cross-checks that kubelet counts our devices, and shows when kubelet has let go of an old socket", once="pod-resources-served")
         else:
-            self._say(INFO, "pod-resources", f"kubelet's pod-resources API is not served: not checking that kubelet counts our devices; waiting a fixed {FIXED_WAIT_S * 1000:.0f} ms for kubelet to let go of an old socket", once="pod-resources-absent")
+            self._say(INFO, "pod-resources", f"kubelet's pod-resources API is not served: nothing cross-checks that kubelet counts our devices, and kubelet is given a fixed {FIXED_WAIT_S * 1000:.0f} ms to let go of an old socket", once="pod-resources-absent")
         self.pod_resources = served
 
     def _check_answer(self, now: float, result) -> None:
