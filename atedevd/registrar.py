@@ -57,7 +57,8 @@ class Registrar:
         longest = os.path.join(ctx.plugin_dir, sockets.STANDBY_DIR, sockets.socket_name(device.resource, ctx.run_id, 10**6))
         self.machine = rm.Registration(device.resource, device.count, snapshot.healthy,
                                        standby_possible=len(os.fsencode(longest)) <= sockets.MAX_SOCKET_PATH,
-                                       device_path=device.path)
+                                       device_path=device.path,
+                                       connections_visible=sockets.held_connections(()) >= 0)
         self.servers: Dict[int, PluginServer] = {}
         self._calls: Dict[int, object] = {}
         self._gone: Set[int] = set()  # sids told to the machine as deleted
@@ -248,6 +249,10 @@ class Registrar:
             self.machine.allocatable_done(time.monotonic(), cid, rm.PR_ABSENT)
             return
         self._calls[cid] = AllocatableCall(path, lambda c, result, error: self.ctx.post(partial(self._ask_done, cid, c, result, error)))
+
+    def _do_probe(self, sids) -> None:
+        paths = [self.servers[s].bind_path for s in sids if s in self.servers]
+        self.machine.probed(time.monotonic(), sockets.held_connections(paths) if paths else 0)
 
     def _do_cancel(self, cid: int) -> None:
         call = self._calls.get(cid)

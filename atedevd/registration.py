@@ -42,7 +42,9 @@ ERROR, WARNING, INFO, DEBUG = logging.ERROR, logging.WARNING, logging.INFO, logg
 LET_GO_LIMIT_S = 10.0  # kubelet's own dial timeout; past it we register anyway
 LET_GO_POLL_S = 0.005  # how often pod-resources is asked while waiting for kubelet to let go
 FIXED_WAIT_S = 0.5  # without pod-resources: how long kubelet is given to let go
-RELIST_LIMIT_S = 1.0  # a fresh device list should make kubelet list us again within this
+RELIST_LIMIT_S = 2.0  # a fresh device list should make kubelet list us again within this
+RESEND_EVERY_S = 0.5  # ... sent again this often while it does not
+CONFIRM_LIMIT_S = 1.0  # kubelet closed its connection: its listing should be gone within this
 VERIFY_S = 5.0  # Register returned OK: kubelet's ListAndWatch must open by then
 STABLE_AFTER_S = 2.0  # a stream end after this long is answered at once; earlier ones back off
 CHECK_FIRST_S = 0.25  # kubelet has our first list: ask pod-resources this soon ...
@@ -82,6 +84,7 @@ class State(enum.Enum):
 #   ("place", sid)              rename the standby socket into kubelet's directory
 #   ("register", cid, sid)      send Register naming sid's socket
 #   ("ask", cid)                ask pod-resources how many of our devices kubelet lists
+#   ("probe", sids)             count kubelet's open connections to these sockets: `probed()`
 #   ("cancel", cid)             cancel a call; its outcome, if it comes, is ignored
 #   ("end_streams", sid)        end the ListAndWatch streams on sid
 #   ("resend", sid)             send the device list again on sid's streams
@@ -110,12 +113,14 @@ class Registration:
     """One resource's sockets and its registration with kubelet, as decisions only."""
 
     def __init__(self, name: str, count: int, healthy: bool = True, standby_possible: bool = True,
-                 device_path: str = "the device"):
+                 device_path: str = "the device", connections_visible: bool = True):
         self.name = name
         self.count = count  # units configured
         self.device_path = device_path  # for what we say
         self.healthy = healthy  # the device node is present: we send Healthy
         self.standby_possible = standby_possible  # False where the standby path would be too long
+        # Whether ("probe", sids) can count kubelet's connections to our sockets.
+        self.connections_visible = connections_visible
         self.state = State.UNSERVED
         self.changed_at = 0.0  # when `state` last changed
         self.actions: List[Action] = []
@@ -138,7 +143,7 @@ class Registration:
         self._cid = 0
         self.call: Optional[Tuple[int, float]] = None  # (cid, started) of the Register in flight
         self._ask: Optional[int] = None  # the pod-resources call in flight
-        self._ask_for = ""  # what its answer is for: "check", "let-go", "relist", "start", "stop"
+        self._ask_for = ""  # what its answer is for: "check", "let-go", "start", "stop"
         self.redo: Optional[str] = None  # register again once the call in flight ends, and why
         self._retry_same = False  # the due retry resends Register on `current`
         self.backoff = Backoff()
@@ -146,7 +151,6 @@ class Registration:
         self._let_go_until = 0.0
         self._let_go_begun = 0.0
         self._fixed_until: Optional[float] = None
-        self._unlisted_while_streaming = False  # kubelet listed 0 of a healthy, streaming socket
         # The pod-resources check.
         self.pod_resources: Optional[bool] = None  # served, as last seen (None: not asked yet)
         self.kubelet_count: Optional[int] = None
@@ -167,6 +171,14 @@ class Registration:
         self._why = ""
         self._relist_until = 0.0
         self._registers_sent = 0
+        self._phase = "unlisted"  # of a let-go wait: "listed" (streams still open) or "unlisted"
+        self._no_signal = False  # kubelet never listed the retiring socket: its teardown cannot show
+        self._resent_at: Optional[float] = None
+        self._listed_seen = False  # pod-resources listed `current`'s devices since it was placed
+        self._known: set = set()  # sids kubelet may have a client for (a Register reached it)
+        self._probe_purpose = "let-go"
+        self._confirm_until = 0.0
+        self._ended: set = set()  # sids whose streams we ended
 
     # --- for the performer -----------------------------------------------------------
 
@@ -237,21 +249,26 @@ class Registration:
         if self.state is State.UNSERVED:
             self._set(State.STOPPED, now)
             return
-        held = self._held()
-        self._cancel_calls()
+        # A Register in flight is not cancelled: kubelet goes on with it whatever we do, so
+        # its outcome is waited for (bounded) and its socket let go of like the others.
+        if self._ask is not None:
+            self._cancel_ask()
+        if self._placing is not None:
+            self._close(self._placing)
+            self._placing = None
         if self.standby is not None:
             self._close(self.standby)
             self.standby = None
-        for sid in held:
-            self.actions.append(("end_streams", sid))
+        streaming = self._stream_open
+        if self.current is not None:
+            self.retiring.append(self.current)
+            self.current = None
         self.timers = {}
         self._set(State.STOPPING, now)
-        if not held or not self.kubelet_up or not self._watched & set(held):
+        if not self.kubelet_up or not (self._known & set(self.retiring) or self.call is not None):
             self._finish_stop(now)
             return
-        self._let_go_begun, self._let_go_until = now, now + STOP_LIMIT_S
-        self._fixed_until = None
-        self._wait_let_go(now, "stop")
+        self._begin_let_go(now, "stop", streaming)
 
     def close(self, now: float) -> None:
         """Stop every socket now."""
@@ -271,14 +288,15 @@ class Registration:
         self.kubelet_up, self.kubelet_at = True, at
         if self.state in (State.UNSERVED, State.STOPPING, State.STOPPED):
             return
+        restarted = not ours_present
         if self.call is not None:
-            if self.call[1] >= at - OLD_KUBELET_MARGIN_S:
+            if self.call[1] >= at - OLD_KUBELET_MARGIN_S and not restarted:
                 return  # it dialled this kubelet (or fails at once): its outcome decides
-            self.actions.append(("cancel", self.call[0]))  # hanging on a kubelet that is gone
+            # Hanging on a kubelet that is gone, or naming a socket that kubelet's wipe removed.
+            self.actions.append(("cancel", self.call[0]))
             self.call = None
         if self._ask is not None and self._ask_for != "check":
             self._cancel_ask()
-        restarted = not ours_present
         if self.state in (State.REGISTERED, State.VERIFYING):
             how = "kubelet restarted" if restarted else "kubelet serves a new kubelet.sock"
             self._say(INFO, "kubelet-restarted", f"{self.name}: {how}; registering again")
@@ -345,7 +363,10 @@ class Registration:
 
     def stream_opened(self, now: float, sid: int) -> None:
         self._watched.add(sid)
+        self._known.add(sid)
         if sid != self.current:
+            if sid in self._ended:  # a retiring socket: its stream is ended as it opens
+                self.actions.append(("end_streams", sid))
             return
         self._stream_open = True
         if self.state is State.VERIFYING:
@@ -389,8 +410,14 @@ class Registration:
     def register_done(self, now: float, cid: int, outcome: str, reason: str = "") -> None:
         if self.call is None or self.call[0] != cid:
             return  # cancelled: a newer kubelet made it moot
-        started = self.call[1]
+        _, started, sid = self.call
         self.call = None
+        if outcome != REFUSED:
+            self._known.add(sid)  # kubelet has (or had) a client for it
+        if self.state is State.STOPPING:  # let go of this one too before exit
+            self._end([sid])
+            self._begin_let_go(now, "stop", False)
+            return
         self._stop_retiring()  # kubelet let go of them before we registered, or it restarted
         if outcome == OK:
             if self.redo is not None:
@@ -434,14 +461,14 @@ class Registration:
         purpose = self._ask_for
         if isinstance(result, int):
             self._pod_resources_seen(True)
+            if result > 0 and purpose != "start":
+                self._listed_seen = True
         elif result == PR_ABSENT:
             self._pod_resources_seen(False)
         if purpose == "start":
             self._start_answer(now, result)
         elif purpose in ("let-go", "stop"):
             self._let_go_answer(now, result, purpose)
-        elif purpose == "relist":
-            self._relist_answer(now, result)
         elif purpose == "check":
             self._check_answer(now, result)
 
@@ -484,6 +511,7 @@ class Registration:
             return
         self._say(WARNING, "not-watched", f"{self.name}: kubelet accepted the registration but opened no ListAndWatch within {VERIFY_S:.0f} s; registering again")
         self.lost_at = now
+        self._set(State.WAITING, now)
         self._attempt(now, "kubelet never opened ListAndWatch")
 
     def _timer_check(self, now: float) -> None:
@@ -527,41 +555,73 @@ class Registration:
             self._set(State.LETTING_GO, now)
             self._let_go_begun, self._let_go_until = now, now + LET_GO_LIMIT_S
             self._fixed_until = None
-            self._unlisted_while_streaming = False
+            self._phase, self._no_signal = "unlisted", False
             self.timers["let-go"] = now + LET_GO_POLL_S
             return
         self._try_start(now)
 
     def _attempt(self, now: float, why: str, wait: bool = True) -> None:
-        """Register on a fresh socket. First the socket kubelet knew retires (its streams
-        end) and, unless kubelet restarted (`wait` False), kubelet is given time to let go."""
+        """Register on a fresh socket. First the socket kubelet knew retires and, unless
+        kubelet restarted (`wait` False), kubelet is given time to let go of it."""
         if self.call is not None or self._placing is not None:
             self.redo = why  # one Register in flight per resource
+            return
+        if wait and self.state is State.VERIFYING and not self._stream_open:
+            # kubelet has a client for this socket whose stream is still to come; retiring it
+            # now would leave that stream's teardown, by name, to land on the next one.
+            self.redo = why  # acted on once verified, or when the verify timer runs out
             return
         for name in ("retry", "verify", "check", "let-go"):
             self.timers.pop(name, None)
         if self._ask is not None and self._ask_for != "start":
             self._cancel_ask()
         self._retry_same = False
+        streaming = False
         if self.current is not None:
-            self.actions.append(("end_streams", self.current))
+            streaming = self._stream_open
             self.retiring.append(self.current)
             self.current = None
             self._stream_open = self._list_sent = False
+        held = [s for s in self.retiring if s in self._known]
         if not self.kubelet_up:
+            self._end(self.retiring)
             # Its creation wakes us; the slow timer is for an event that was lost.
             self._waiting(now, "kubelet.sock does not exist")
             self.timers["retry"] = now + SLOW_RETRY_S
             return
-        held = [s for s in self.retiring if s in self._watched and s not in self._gone]
         if wait and held:
             self._set(State.LETTING_GO, now)
             self._why = why
-            self._let_go_begun, self._let_go_until = now, now + LET_GO_LIMIT_S
-            self._fixed_until = None
-            self._wait_let_go(now, "let-go")
+            self._begin_let_go(now, "let-go", streaming)
             return
+        self._end(self.retiring)
         self._register(now, why)
+
+    def _begin_let_go(self, now: float, purpose: str, streaming: bool) -> None:
+        """Wait for kubelet to let go of our retiring sockets, on what kubelet shows.
+
+        kubelet's last teardown step marks the devices unhealthy, and pod-resources
+        stops listing them: that is the signal. It shows only if kubelet listed them
+        before, so a socket whose stream is open is first made listed (a fresh device
+        list, if need be), then its stream is ended, then the listing must go."""
+        if self._ask is not None:  # an answer to an earlier wait would be read as this one's
+            self._cancel_ask()
+        self._let_go_begun, self._let_go_until = now, now + (STOP_LIMIT_S if purpose == "stop" else LET_GO_LIMIT_S)
+        self._relist_until = now + RELIST_LIMIT_S
+        self._fixed_until = None
+        self._resent_at = None
+        if self.connections_visible:
+            # Our own descriptors show kubelet closing its connection, the step just before
+            # PluginDisconnected; pod-resources then confirms the listing is gone.
+            self._end(self.retiring)
+            self._phase = "connections"
+        elif streaming and self.healthy and self.pod_resources is not False:
+            self._phase = "listed"
+        else:
+            self._end(self.retiring)
+            self._phase = "unlisted"
+            self._no_signal = not self._listed_seen
+        self._wait_let_go(now, purpose)
 
     def _wait_let_go(self, now: float, purpose: str) -> None:
         """One step of waiting for kubelet to let go of our old sockets."""
@@ -571,18 +631,77 @@ class Registration:
                 return
             self._let_go_done(now, purpose)
             return
-        if self.pod_resources is False or not self.healthy or self._unlisted_while_streaming:
-            # kubelet's count cannot show the teardown: a fixed wait instead.
-            self._fixed_until = min(now + FIXED_WAIT_S, self._let_go_until)
-            self.timers["let-go"] = self._fixed_until
+        if self._phase == "await-call":
+            self._finish_stop(now)  # the Register never came back: exit all the same
+            return
+        if self._phase == "connections":
+            self._probe_purpose = purpose
+            self.actions.append(("probe", tuple(self.retiring)))
+            return
+        if self._phase == "unlisted" and (self.pod_resources is False or not self.healthy or self._no_signal):
+            self._fixed_wait(now)  # kubelet's count cannot show the teardown
+            return
+        if self._phase == "confirm" and (self.pod_resources is False or not self.healthy):
+            self._let_go_done(now, purpose)
             return
         self._ask_pod_resources(purpose)
 
+    def probed(self, now: float, held: int) -> None:
+        """The outcome of ("probe", ...): kubelet's connections still open, -1 if unknown."""
+        purpose = self._probe_purpose
+        if self.state is not (State.STOPPING if purpose == "stop" else State.LETTING_GO) or self._phase != "connections":
+            return
+        if held < 0:  # cannot be seen after all: kubelet's count alone
+            self.connections_visible = False
+            self._phase, self._no_signal = "unlisted", not self._listed_seen
+            self._wait_let_go(now, purpose)
+        elif held > 0:
+            if now < self._let_go_until:
+                self.timers["let-go"] = now + LET_GO_POLL_S
+                return
+            self._say(WARNING, "let-go-timeout", f"{self.name}: kubelet still holds {held} connection(s) to our old socket after {now - self._let_go_begun:.0f} s; {'exiting' if purpose == 'stop' else 'registering'} anyway")
+            self._let_go_done(now, purpose)
+        else:
+            self._phase = "confirm"
+            self._confirm_until = now + CONFIRM_LIMIT_S
+            self._wait_let_go(now, purpose)
+
+    def _fixed_wait(self, now: float) -> None:
+        self._end(self.retiring)
+        self._phase = "unlisted"
+        self._fixed_until = min(now + FIXED_WAIT_S, self._let_go_until)
+        self.timers["let-go"] = self._fixed_until
+
     def _let_go_answer(self, now: float, result, purpose: str) -> None:
         expected = State.STOPPING if purpose == "stop" else State.LETTING_GO
-        if self.state is not expected:
+        if self.state is not expected or self._phase in ("connections", "await-call"):
             return
-        if isinstance(result, int) and result > 0:
+        if self._phase == "confirm":
+            if isinstance(result, int) and result > 0 and now < self._confirm_until:
+                self.timers["let-go"] = now + LET_GO_POLL_S
+            elif result == PR_REFUSED and purpose != "stop":
+                self._stop_retiring()
+                self._waiting(now, "kubelet is not accepting connections")
+                self.timers["retry"] = now + SLOW_RETRY_S
+            else:
+                self._let_go_done(now, purpose)
+            return
+        if isinstance(result, int) and self._phase == "listed":
+            if result > 0:
+                self._end(self.retiring)
+                self._phase = "unlisted"
+                self.timers["let-go"] = now + LET_GO_POLL_S
+            elif now >= self._relist_until:
+                self._fixed_wait(now)  # kubelet lists nothing of a streaming socket: no signal
+            else:
+                if self._resent_at is None or now - self._resent_at >= RESEND_EVERY_S:
+                    # A stopped endpoint with its stream open (kubelet <= 1.36) lists nothing;
+                    # a fresh device list makes kubelet list it again.
+                    self._resent_at = now
+                    for sid in self.retiring:
+                        self.actions.append(("resend", sid))
+                self.timers["let-go"] = now + LET_GO_POLL_S
+        elif isinstance(result, int) and result > 0:
             if now < self._let_go_until:
                 self.timers["let-go"] = now + LET_GO_POLL_S
                 return
@@ -591,6 +710,7 @@ class Registration:
         elif isinstance(result, int):
             self._let_go_done(now, purpose)
         elif result == PR_REFUSED:  # pod-resources is served by kubelet itself: kubelet is down
+            self._end(self.retiring)
             if purpose == "stop":
                 self._let_go_done(now, purpose)
             else:
@@ -598,17 +718,27 @@ class Registration:
                 self._waiting(now, "kubelet is not accepting connections")
                 self.timers["retry"] = now + SLOW_RETRY_S
         else:  # not served, or it failed: a fixed wait
-            self._fixed_until = min(now + FIXED_WAIT_S, self._let_go_until)
-            self.timers["let-go"] = self._fixed_until
+            self._fixed_wait(now)
 
     def _let_go_done(self, now: float, purpose: str) -> None:
         self.timers.pop("let-go", None)
-        self._unlisted_while_streaming = False
+        self._end(self.retiring)
         if purpose == "stop":
+            if self.call is not None and now < self._let_go_until:
+                self._phase = "await-call"  # register_done starts the wait again
+                self.timers["let-go"] = self._let_go_until
+                return
             self._finish_stop(now)
             return
         self._stop_retiring()
         self._register(now, self._why or "registering again")
+
+    def _end(self, sids: List[int]) -> None:
+        """End the streams on these sockets (once each: a stream opened later is ended when it opens)."""
+        for sid in sids:
+            if sid not in self._ended:
+                self._ended.add(sid)
+                self.actions.append(("end_streams", sid))
 
     def _finish_stop(self, now: float) -> None:
         self._close_all()
@@ -618,7 +748,7 @@ class Registration:
         """Put a socket in place (the standby if one is ready, so it cannot have been
         wiped) and Register it."""
         self._why = why
-        self._unlisted_while_streaming = False
+        self.redo = None  # what it was about is moot: this registration answers it
         self._set(State.REGISTERING, now)
         self.reasons[why] = self.reasons.get(why, 0) + 1
         self._say(DEBUG, "registering", f"{self.name}: registering ({why})")
@@ -633,13 +763,13 @@ class Registration:
         self._placing = None
         self.current = sid
         self._stream_open = sid in self._watched
-        self._list_sent = False
+        self._list_sent = self._listed_seen = False
         self._send_register(now, sid)
 
     def _send_register(self, now: float, sid: int) -> None:
         self._registers_sent += 1
         self._cid += 1
-        self.call = (self._cid, now)
+        self.call = (self._cid, now, sid)
         self._set(State.REGISTERING, now)
         self.actions.append(("register", self._cid, sid))
 
@@ -662,6 +792,9 @@ class Registration:
             self._say(INFO, "reregistered", f"{self.name}: registered again with kubelet")
         if self._list_sent:
             self._after_first_list(now)
+        if self.redo is not None:  # a trigger that came while kubelet's stream was still to open
+            why, self.redo = self.redo, None
+            self._attempt(now, why)
 
     def _after_first_list(self, now: float) -> None:
         if self.standby is None and self.standby_possible:
@@ -729,22 +862,6 @@ class Registration:
         self._check_rereg_at = now
         self._say(WARNING, "not-counted", f"{self.name}: kubelet does not count our devices (pod-resources lists {result} of {expected} as allocatable) although we are registered; registering again (time {self._check_rereg} in a row)")
         self.lost_at = now
-        if result == 0 and self._stream_open:
-            # A stopped endpoint whose stream is open (kubelet <= 1.36) lists nothing, so its
-            # teardown would not show. A fresh device list makes kubelet list us again first.
-            self.actions.append(("resend", self.current))
-            self._relist_until = now + RELIST_LIMIT_S
-            self._ask_pod_resources("relist")
-            return
-        self._attempt(now, "kubelet does not count our devices")
-
-    def _relist_answer(self, now: float, result) -> None:
-        if self.state is not State.REGISTERED:
-            return
-        if isinstance(result, int) and result == 0 and now < self._relist_until:
-            self._ask_pod_resources("relist")
-            return
-        self._unlisted_while_streaming = not (isinstance(result, int) and result > 0)
         self._attempt(now, "kubelet does not count our devices")
 
     # --- sockets ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ about 12 ms, and kubelet admits pods ~13 ms after it serves again.
 
 import os
 import re
+import select
 import socket
 import stat
 from typing import Iterable, List
@@ -20,7 +21,6 @@ STANDBY_DIR = ".atedevd"
 MAX_SOCKET_PATH = 107
 _RUN_ALPHABET = "abcdefghijklmnopqrstuvwxyz234567"
 _RUN_LENGTH = 6
-_CONNECTED = "03"  # SS_CONNECTED in /proc/net/unix
 
 
 def new_run_id() -> str:
@@ -92,22 +92,43 @@ def _is_dead_socket(path: str) -> bool:
     return False
 
 
-def connections(bind_paths: Iterable[str]) -> int:
-    """Open connections accepted on sockets bound at these paths (what kubelet
-    still holds to them), from /proc/self/net/unix. -1 when it cannot be read.
+def held_connections(bind_paths: Iterable[str]) -> int:
+    """How many connections accepted on sockets bound at these paths are still open
+    (what kubelet holds of them): -1 when our descriptors cannot be read.
 
-    The kernel lists an accepted connection under the path its listener was
-    bound at, even after the file was renamed or deleted.
+    Read from our own descriptors, not /proc/net/unix: an accepted AF_UNIX connection
+    is listed in the *connecting* process's network namespace, so under the unit's
+    PrivateNetwork= kubelet's connections never show there. The accepted socket is in
+    our descriptor table whatever the namespace, and its own address is the path its
+    listener was bound at, even after the file was renamed or deleted. A connection
+    whose peer has hung up counts as let go, whether or not gRPC has closed it yet.
     """
-    wanted = set(bind_paths)
+    wanted = {os.fsencode(p) for p in bind_paths}
     try:
-        with open("/proc/self/net/unix") as f:
-            lines = f.readlines()[1:]
+        fds = os.listdir("/proc/self/fd")
     except OSError:
         return -1
     count = 0
-    for line in lines:
-        fields = line.rstrip("\n").split(None, 7)
-        if len(fields) == 8 and fields[5] == _CONNECTED and fields[7] in wanted:
-            count += 1
+    poller = select.poll()
+    for name in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            dup = os.dup(int(name))
+        except (OSError, ValueError):
+            continue  # closed meanwhile
+        s = socket.socket(fileno=dup)
+        try:
+            if s.family != socket.AF_UNIX or os.fsencode(s.getsockname()) not in wanted:
+                continue
+            s.getpeername()  # a listener is not connected: OSError
+            poller.register(dup, select.POLLRDHUP)
+            hung_up = poller.poll(0)
+            poller.unregister(dup)
+            if not hung_up:
+                count += 1
+        except OSError:
+            pass
+        finally:
+            s.close()
     return count

@@ -1,0 +1,56 @@
+"""Run the registration simulation: `python3 -m tests.simulation [--rounds N] [--seed S] ...`.
+
+Every round is one seed: a fresh node, kubelet started, atedevd started and
+registered, then one scenario, then the end state is asserted. A failure
+prints the seed, scenario and kubelet mode; `--replay SEED` runs that round
+alone and prints its whole history.
+"""
+
+import argparse
+import sys
+import time
+
+from tests.simulation.scenarios import MODES, SCENARIOS, run_matrix, run_round
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m tests.simulation")
+    p.add_argument("--rounds", type=int, default=10000, help="rounds per scenario and kubelet mode")
+    p.add_argument("--seed", type=int, default=1, help="the first round's seed")
+    p.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="only these (repeatable)")
+    p.add_argument("--kubelet", action="append", choices=MODES, help="only these modes (repeatable)")
+    p.add_argument("--max-delay", type=float, default=1.0, help="the longest delay of one step, seconds")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--blind", action="store_true", help="the daemon cannot see kubelet's connections (pod-resources only)")
+    p.add_argument("--no-pod-resources", action="store_true", help="kubelet serves no pod-resources API")
+    p.add_argument("--fixed-wait", type=float, help="override the fixed let-go wait (seconds) where nothing shows kubelet's teardown")
+    p.add_argument("--replay", type=int, metavar="SEED", help="run one round and print its history")
+    a = p.parse_args(argv)
+    variant = {"connections_visible": not a.blind, "pod_resources": not a.no_pod_resources, "fixed_wait": a.fixed_wait}
+    scenarios = a.scenario or sorted(SCENARIOS)
+    modes = a.kubelet or list(MODES)
+    if a.replay is not None:
+        for mode in modes:
+            for name in scenarios:
+                problems, history, events = run_round(a.replay, mode, name, a.max_delay, keep=True, **variant)
+                print(f"--- {name} on kubelet {mode}, seed {a.replay}: {'; '.join(problems) or 'end state healthy'}")
+                print("\n".join(history + [f"{events} events"]))
+        return 0
+    t0 = time.monotonic()
+    results = run_matrix(scenarios, modes, a.rounds, a.seed, a.max_delay, a.jobs, variant)
+    took = time.monotonic() - t0
+    failed = 0
+    print(f"{'scenario':<28}{'kubelet':<10}{'rounds':>8}{'failed':>8}{'events/round':>14}")
+    for (name, mode), r in sorted(results.items()):
+        failed += len(r["failures"])
+        print(f"{name:<28}{mode:<10}{r['rounds']:>8}{len(r['failures']):>8}{r['events'] / max(r['rounds'], 1):>14.0f}")
+        for seed, problems in r["failures"][:3]:
+            print(f"    seed {seed}: {'; '.join(problems)}\n    replay: python3 -m tests.simulation --replay {seed} --scenario {name} --kubelet {mode}")
+    total = sum(r["rounds"] for r in results.values())
+    print(f"{total} rounds in {took:.1f} s ({total / took:.0f} rounds/s)")
+    print(f"sim: {total - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The simulated scenario matrix: what happens to a registered daemon, and the end state after it.
+
+Each scenario disturbs a node whose daemon is registered, at random moments in
+its first two seconds, with every step on both sides delayed 0–`max_delay`
+(beyond every timeout and settle of ours), then lets the node settle and asks
+for the healthy end state: kubelet running, one live stream on the daemon's
+newest socket, that endpoint current and not stopped, allocatable equal to what
+is configured, no Register in flight or teardown pending, no duplicate Register
+in one kubelet process, and the daemon itself registered.
+"""
+
+import multiprocessing
+from typing import Callable, Dict, List, Optional, Tuple
+
+from atedevd import registration
+from atedevd.registration import State
+from tests.simulation.world import RESOURCE, World
+
+MODES = ("1.32", "current")
+SETTLE_S = 60.0  # simulated time after the last disturbance (kubelet's grace is 5 min)
+FIRST_S = 30.0  # simulated time for the first registration
+
+
+def _kubelet_restart(w: World, gap_max: float) -> None:
+    def restart():
+        w.kubelet.kill()
+        w.after(w.rng.uniform(0, gap_max), w.kubelet.start)
+    for _ in range(w.rng.randint(1, 3)):
+        w.after(w.rng.uniform(0, 2.0), restart)
+
+
+def kubelet_restart(w: World) -> None:
+    """kubelet killed and started again, 0–200 ms apart, one to three times."""
+    _kubelet_restart(w, 0.2)
+
+
+def kubelet_restart_back_to_back(w: World) -> None:
+    _kubelet_restart(w, 0.0)
+
+
+def wipe_then_new_socket(w: World) -> None:
+    """The wipe's deletions and the new kubelet.sock reach the daemon in separate batches."""
+    def restart():
+        w.kubelet.kill()
+        w.fs.wipe()
+        w.after(w.rng.uniform(0.001, 1.0), w.kubelet.start)
+    w.after(w.rng.uniform(0, 2.0), restart)
+
+
+def kubelet_ends_stream(w: World) -> None:
+    for _ in range(w.rng.randint(1, 2)):
+        w.after(w.rng.uniform(0, 2.0), w.kubelet.end_stream, RESOURCE)
+
+
+def socket_deleted(w: World) -> None:
+    def delete():
+        name = w.daemon.current_socket() if w.daemon else None
+        if name:
+            w.fs.unlink(name)
+    w.after(w.rng.uniform(0, 2.0), delete)
+
+
+def daemon_sigterm_restart(w: World) -> None:
+    w.after(w.rng.uniform(0, 2.0), w.restart_daemon, "sigterm")
+
+
+def daemon_kill_restart(w: World) -> None:
+    w.after(w.rng.uniform(0, 2.0), w.restart_daemon, "kill")
+
+
+def reload_changed(w: World) -> None:
+    new = w.rng.choice((1024, 2048))
+    w.count = new
+    w.after(w.rng.uniform(0, 2.0), lambda: w.daemon.reload(new))
+
+
+def reload_unchanged(w: World) -> None:
+    w.after(w.rng.uniform(0, 2.0), lambda: w.daemon.reload(w.daemon.count))
+
+
+def queue_overflow(w: World) -> None:
+    """A kubelet restart whose directory events are lost: the daemon only learns it overflowed."""
+    def restart():
+        w.fs.dropping_until = w.now + w.rng.uniform(0.01, 1.5)
+        w.kubelet.kill()
+        w.after(w.rng.uniform(0, 0.2), w.kubelet.start)
+    w.after(w.rng.uniform(0, 2.0), restart)
+
+
+def kubelet_restart_during_daemon_restart(w: World) -> None:
+    w.after(w.rng.uniform(0, 1.0), w.restart_daemon, w.rng.choice(("sigterm", "kill")))
+    _kubelet_restart(w, 0.2)
+
+
+SCENARIOS: Dict[str, Callable[[World], None]] = {
+    "kubelet-restart-gap-0-200ms": kubelet_restart,
+    "kubelet-restart-back-to-back": kubelet_restart_back_to_back,
+    "wipe-then-kubelet-sock": wipe_then_new_socket,
+    "kubelet-ends-our-stream": kubelet_ends_stream,
+    "our-socket-deleted": socket_deleted,
+    "daemon-sigterm-restart": daemon_sigterm_restart,
+    "daemon-kill-9-restart": daemon_kill_restart,
+    "sighup-changed": reload_changed,
+    "sighup-unchanged": reload_unchanged,
+    "inotify-queue-overflow": queue_overflow,
+    "kubelet-and-daemon-restart": kubelet_restart_during_daemon_restart,
+}
+
+
+def end_state(w: World) -> List[str]:
+    d = w.daemon
+    problems = []
+    if d is None or not d.alive:
+        return ["the daemon is not running"]
+    if d.m.state is not State.REGISTERED:
+        problems.append(f"the daemon is {d.m.state.value}, not registered")
+    problems += w.kubelet.problems(RESOURCE, w.count, d.current_socket())
+    return problems
+
+
+def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep: bool = False,
+              connections_visible: bool = True, pod_resources: bool = True,
+              fixed_wait: Optional[float] = None) -> Tuple[List[str], List[str], int]:
+    """One round: the problems with its end state (none: healthy), with `keep` its history, and
+    how many events it took."""
+    if fixed_wait is not None:
+        registration.FIXED_WAIT_S = fixed_wait
+    w = World(seed, mode, max_delay=max_delay, pod_resources=pod_resources, connections_visible=connections_visible)
+    w.trace = keep
+    w.kubelet.start()
+    w.after(w.rng.uniform(0, 0.5), w.start_daemon)
+    w.run_until(FIRST_S)
+    problems = [f"before the scenario: {p}" for p in end_state(w)]
+    if not problems:
+        SCENARIOS[scenario](w)
+        w.run_until(w.now + SETTLE_S)
+        problems = end_state(w)
+    history = [f"{t:10.4f} {lvl or '':>2} {kind}: {text}" for t, lvl, kind, text in w.said] if keep else []
+    return problems, history, w.events
+
+
+def _chunk(args) -> Tuple[str, str, int, List, int]:
+    scenario, mode, first, rounds, max_delay, variant = args
+    failures, events = [], 0
+    for seed in range(first, first + rounds):
+        problems, _, n = run_round(seed, mode, scenario, max_delay, **variant)
+        events += n
+        if problems:
+            failures.append((seed, problems))
+    return scenario, mode, rounds, failures, events
+
+
+def run_matrix(scenarios, modes, rounds: int, first_seed: int, max_delay: float, jobs: int,
+               variant: Optional[dict] = None) -> Dict:
+    """Every scenario x mode, `rounds` seeds each, spread over `jobs` processes."""
+    per = max(1, min(500, rounds // max(jobs, 1)))
+    work = []
+    for s in scenarios:
+        for m in modes:
+            for start in range(0, rounds, per):
+                work.append((s, m, first_seed + start, min(per, rounds - start), max_delay, variant or {}))
+    results: Dict = {(s, m): {"rounds": 0, "failures": [], "events": 0} for s in scenarios for m in modes}
+    if jobs > 1:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            chunks = pool.map(_chunk, work, chunksize=1)
+    else:
+        chunks = [_chunk(w) for w in work]
+    for s, m, n, failures, events in chunks:
+        r = results[(s, m)]
+        r["rounds"] += n
+        r["failures"] += failures
+        r["events"] += events
+    return results
