@@ -177,6 +177,7 @@ class Registration:
         self._listed_seen = False  # pod-resources listed `current`'s devices since it was placed
         self._known: set = set()  # sids kubelet may have a client for (a Register reached it)
         self._probe_purpose = "let-go"
+        self._held_said = False
         self._confirm_until = 0.0
         self._ended: set = set()  # sids whose streams we ended
 
@@ -610,6 +611,7 @@ class Registration:
         self._relist_until = now + RELIST_LIMIT_S
         self._fixed_until = None
         self._resent_at = None
+        self._held_said = False
         if self.connections_visible:
             # Our own descriptors show kubelet closing its connection, the step just before
             # PluginDisconnected; pod-resources then confirms the listing is gone.
@@ -656,6 +658,9 @@ class Registration:
             self._phase, self._no_signal = "unlisted", not self._listed_seen
             self._wait_let_go(now, purpose)
         elif held > 0:
+            if not self._held_said:
+                self._held_said = True
+                self._say(DEBUG, "let-go", f"{self.name}: kubelet holds {held} connection(s) to our old socket; waiting for it to let go")
             if now < self._let_go_until:
                 self.timers["let-go"] = now + LET_GO_POLL_S
                 return
@@ -722,6 +727,8 @@ class Registration:
 
     def _let_go_done(self, now: float, purpose: str) -> None:
         self.timers.pop("let-go", None)
+        if self._phase != "await-call":
+            self._say(DEBUG, "let-go", f"{self.name}: kubelet let go of our old socket after {(now - self._let_go_begun) * 1000:.0f} ms ({self._phase})")
         self._end(self.retiring)
         if purpose == "stop":
             if self.call is not None and now < self._let_go_until:
