@@ -217,7 +217,7 @@ class Registrar:
             server.stop()
             if self.ctx.serve_failed(path, e):
                 return  # the daemon stops: the machine was told to
-            self.machine.bound(time.monotonic(), sid, f"{path}: {e.strerror or e}")
+            self.machine.bound(time.monotonic(), sid, f"on {path}: {e.strerror or e}")
             return
         self.servers[sid] = server
         self.machine.bound(time.monotonic(), sid, None)
@@ -230,7 +230,7 @@ class Registrar:
                 raise OSError("the socket is gone")
             server.move_to(os.path.join(self.ctx.plugin_dir, os.path.basename(server.bind_path)))
         except OSError as e:
-            error = f"{self.ctx.plugin_dir}: {e.strerror or e}"
+            error = f"on {self.ctx.plugin_dir}: {e.strerror or e}"
         self.machine.placed(time.monotonic(), sid, error)
 
     def _do_register(self, cid: int, sid: int) -> None:

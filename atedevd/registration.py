@@ -59,6 +59,7 @@ SLOW_RETRY_S = 10.0  # kubelet down: look again this often, in case an event was
 WARN_AFTER_S = 20.0  # failing this long after a first registration (past any kubelet restart): a WARNING ...
 WARN_EVERY_S = 60.0  # ... and again at most this often
 REFUSED_SAY_EVERY_S = 60.0
+STANDBY_AGAIN_S = 1.0  # the standby socket was deleted: bind the next one this much later
 # A Register started this long before the newest kubelet.sock appeared went to the old one.
 OLD_KUBELET_MARGIN_S = 0.1
 
@@ -317,10 +318,10 @@ class Registration:
     def socket_deleted(self, now: float, sid: int) -> None:
         """A socket file of ours was deleted (kubelet's wipe, or someone else)."""
         self._gone.add(sid)
-        if sid == self.standby:
+        if sid == self.standby:  # someone cleans up (rm -rf, a purge): not at once
             self._close(sid)
             self.standby = None
-            self.timers["standby"] = now
+            self.timers["standby"] = now + STANDBY_AGAIN_S
             return
         if sid != self.current:
             return
@@ -918,7 +919,7 @@ class Registration:
     def _serve_error(self, now: float, error: str) -> None:
         self._close_all()
         self._set(State.UNSERVED, now)
-        text = f"{self.name}: cannot serve: {error}"
+        text = f"{self.name}: cannot serve {error}"
         if self.serve_error is None:  # retried on every wake-up; said once
             self._say(ERROR, "serve-failed", text)
         self.serve_error = text
@@ -948,7 +949,7 @@ class Registration:
         elif s in (State.REGISTERING, State.VERIFYING, State.LETTING_GO):
             text = "registering with kubelet"
         elif s is State.UNSERVED:
-            text = "not served" + (f": {self.serve_error.split(': ', 2)[-1]}" if self.serve_error else "")
+            text = "not served" + (f": {self.serve_error.rsplit(': ', 1)[-1]}" if self.serve_error else "")
         else:
             text = "waiting for kubelet"
             if self.last_error and self.failing_since is not None and self.registrations > 0:

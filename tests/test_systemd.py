@@ -12,6 +12,7 @@ What the container cannot show, and why, is said where it matters.
 import fnmatch
 import contextlib
 import json
+import re
 import time
 from pathlib import Path
 
@@ -202,7 +203,7 @@ def test_sandbox_still_sees_dev(clean):
                lambda: f"{resource_state(node)}\n{diagnostics(node)}")
 
 
-def test_kubelet_restart_reregisters_and_warns(clean):
+def test_kubelet_restart_reregisters_and_says_so_at_info(clean):
     node = clean
     before = start_and_register(node)["registrations"]
     cur = cursor(node)
@@ -211,10 +212,12 @@ def test_kubelet_restart_reregisters_and_warns(clean):
     wait_until(lambda: standin_state(node)["restarts"] > restarts, 20, "stand-in restart")
     wait_registered(node, before + 1)
     assert node.show("atedevd", "NRestarts")["NRestarts"] == "0"
-    # Losing the registration is a warning, with the resource named.
-    wait_journal(node, cur, lambda s: any(e.get("ATEDEVD_RESOURCE") == RESOURCE and e.get("PRIORITY") == "4"
-                                          for e in json_entries(s)),
-                 "a warning about the lost registration", "-o", "json")
+    # An expected event: said at INFO with the resource named, and nothing at WARNING or above.
+    text = wait_journal(node, cur, lambda s: any(e.get("ATEDEVD_RESOURCE") == RESOURCE and e.get("PRIORITY") == "6"
+                                                 and e.get("ATEDEVD_EVENT") == "reregistered" for e in json_entries(s)),
+                        "the re-registration at INFO", "-o", "json")
+    loud = [e.get("MESSAGE") for e in json_entries(text) if int(e.get("PRIORITY", "6")) <= 4]
+    assert not loud, loud
 
 
 # --- reload, crash, watchdog, stop ------------------------------------------------------------
@@ -505,3 +508,17 @@ def test_custom_kubelet_root_needs_the_drop_in_that_check_prints(clean):
         node.systemctl("stop", "atedevd", check=False)
         node.systemctl("stop", K0S_STANDIN, check=False)
         node.systemctl("reset-failed", K0S_STANDIN, check=False)
+
+
+def test_the_let_go_wait_sees_kubelets_connection_from_inside_the_sandbox(clean):
+    """kubelet (the stand-in, its own unit) is outside atedevd's sandbox (PrivateNetwork=): the
+    handover must still see kubelet's connection to our old socket, and its closing."""
+    node = clean
+    dropin(node, "debug", "[Service]\nExecStart=\nExecStart=/usr/bin/atedevd run --log-level debug\n")
+    state = start_and_register(node)
+    cur = cursor(node)
+    node.run("rm", f"{PLUGIN_DIR}/{state['endpoint']}")  # our socket deleted: a handover, kubelet stays up
+    wait_registered(node, state["registrations"] + 1)
+    text = wait_journal(node, cur, lambda s: "kubelet let go of our old socket" in s, "the let-go wait's end", "-o", "cat")
+    assert re.search(r"kubelet holds [1-9]\d* connection\(s\) to our old socket", text), text
+    assert re.search(r"kubelet let go of our old socket after \d+ ms \(confirm\)", text), text
