@@ -2,7 +2,7 @@
 PYTHON ?= /usr/bin/python3
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: deps demo test test-latest bench bench-registration proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
+.PHONY: deps demo test test-latest bench bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
 
 # Debian 12's own packages: the runtime floor we test, and the tools the tests drive.
 deps:
@@ -27,6 +27,15 @@ bench: deps
 ROUNDS ?= 1000
 bench-registration: deps
 	ROUNDS=$(ROUNDS) $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_registration.py
+
+# The registration simulation: SIM_ROUNDS seeded rounds per scenario and kubelet generation (CI runs
+# 10000), then the same with less to see kubelet by (pod-resources only; nothing but a fixed wait):
+# what each fallback costs. A failure prints its seed; --replay SEED prints that round.
+SIM_ROUNDS ?= 10000
+sim:
+	$(PYTHON) -m tests.simulation --rounds $(SIM_ROUNDS)
+	-$(PYTHON) -m tests.simulation --rounds 1000 --blind
+	-$(PYTHON) -m tests.simulation --rounds 1000 --blind --no-pod-resources
 
 # Regenerate the v1beta1 and pod-resources v1 bindings with protoc 3.21 (Debian's protobuf-compiler or grpcio-tools==1.51.3).
 PROTOS := deviceplugin.proto podresources.proto
