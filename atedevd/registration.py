@@ -110,6 +110,21 @@ class Backoff:
         self.delay = 0.0
 
 
+class LetGo:
+    """Where a wait for kubelet to let go of our retiring sockets stands."""
+
+    def __init__(self) -> None:
+        self.purpose = "let-go"  # or "stop"
+        self.phase = "unlisted"  # "connections", "confirm", "listed", "unlisted", "await-call"
+        self.begun = self.until = 0.0
+        self.fixed_until: Optional[float] = None  # a fixed wait, where nothing shows the teardown
+        self.relist_until = 0.0  # "listed": kubelet should list the streaming socket by then
+        self.resent_at: Optional[float] = None
+        self.confirm_until = 0.0  # "confirm": pod-resources should stop listing us by then
+        self.no_signal = False  # kubelet never listed the retiring socket: its teardown cannot show
+        self.held_said = False
+
+
 class Registration:
     """One resource's sockets and its registration with kubelet, as decisions only."""
 
@@ -142,16 +157,13 @@ class Registration:
         self._list_sent = False  # kubelet has `current`'s first device list
         # Calls in flight.
         self._cid = 0
-        self.call: Optional[Tuple[int, float]] = None  # (cid, started) of the Register in flight
+        self.call: Optional[Tuple[int, float, int]] = None  # (cid, started, sid) of the Register in flight
         self._ask: Optional[int] = None  # the pod-resources call in flight
         self._ask_for = ""  # what its answer is for: "check", "let-go", "start", "stop"
         self.redo: Optional[str] = None  # register again once the call in flight ends, and why
         self._retry_same = False  # the due retry resends Register on `current`
         self.backoff = Backoff()
-        # Waiting for kubelet to let go.
-        self._let_go_until = 0.0
-        self._let_go_begun = 0.0
-        self._fixed_until: Optional[float] = None
+        self._lg = LetGo()  # the wait for kubelet to let go of old sockets
         # The pod-resources check.
         self.pod_resources: Optional[bool] = None  # served, as last seen (None: not asked yet)
         self.kubelet_count: Optional[int] = None
@@ -170,16 +182,8 @@ class Registration:
         self.refused_streams = 0
         self._refused_said = -REFUSED_SAY_EVERY_S
         self._why = ""
-        self._relist_until = 0.0
-        self._registers_sent = 0
-        self._phase = "unlisted"  # of a let-go wait: "listed" (streams still open) or "unlisted"
-        self._no_signal = False  # kubelet never listed the retiring socket: its teardown cannot show
-        self._resent_at: Optional[float] = None
         self._listed_seen = False  # pod-resources listed `current`'s devices since it was placed
         self._known: set = set()  # sids kubelet may have a client for (a Register reached it)
-        self._probe_purpose = "let-go"
-        self._held_said = False
-        self._confirm_until = 0.0
         self._ended: set = set()  # sids whose streams we ended
 
     # --- for the performer -----------------------------------------------------------
@@ -555,9 +559,9 @@ class Registration:
             # instance's stream is still being torn down. Registering now could be undone by it.
             self._say(INFO, "earlier-instance", f"{self.name}: kubelet still lists {result} devices of an earlier instance; waiting for it to let go")
             self._set(State.LETTING_GO, now)
-            self._let_go_begun, self._let_go_until = now, now + LET_GO_LIMIT_S
-            self._fixed_until = None
-            self._phase, self._no_signal = "unlisted", False
+            self._lg.begun, self._lg.until = now, now + LET_GO_LIMIT_S
+            self._lg.fixed_until = None
+            self._lg.phase, self._lg.no_signal = "unlisted", False
             self.timers["let-go"] = now + LET_GO_POLL_S
             return
         self._try_start(now)
@@ -608,82 +612,82 @@ class Registration:
         list, if need be), then its stream is ended, then the listing must go."""
         if self._ask is not None:  # an answer to an earlier wait would be read as this one's
             self._cancel_ask()
-        self._let_go_begun, self._let_go_until = now, now + (STOP_LIMIT_S if purpose == "stop" else LET_GO_LIMIT_S)
-        self._relist_until = now + RELIST_LIMIT_S
-        self._fixed_until = None
-        self._resent_at = None
-        self._held_said = False
+        self._lg.begun, self._lg.until = now, now + (STOP_LIMIT_S if purpose == "stop" else LET_GO_LIMIT_S)
+        self._lg.relist_until = now + RELIST_LIMIT_S
+        self._lg.fixed_until = None
+        self._lg.resent_at = None
+        self._lg.held_said = False
         if self.connections_visible:
             # Our own descriptors show kubelet closing its connection, the step just before
             # PluginDisconnected; pod-resources then confirms the listing is gone.
             self._end(self.retiring)
-            self._phase = "connections"
+            self._lg.phase = "connections"
         elif streaming and self.healthy and self.pod_resources is not False:
-            self._phase = "listed"
+            self._lg.phase = "listed"
         else:
             self._end(self.retiring)
-            self._phase = "unlisted"
-            self._no_signal = not self._listed_seen
+            self._lg.phase = "unlisted"
+            self._lg.no_signal = not self._listed_seen
         self._wait_let_go(now, purpose)
 
     def _wait_let_go(self, now: float, purpose: str) -> None:
         """One step of waiting for kubelet to let go of our old sockets."""
-        if self._fixed_until is not None:
-            if now < self._fixed_until:
-                self.timers["let-go"] = self._fixed_until
+        if self._lg.fixed_until is not None:
+            if now < self._lg.fixed_until:
+                self.timers["let-go"] = self._lg.fixed_until
                 return
             self._let_go_done(now, purpose)
             return
-        if self._phase == "await-call":
+        if self._lg.phase == "await-call":
             self._finish_stop(now)  # the Register never came back: exit all the same
             return
-        if self._phase == "connections":
-            self._probe_purpose = purpose
+        if self._lg.phase == "connections":
+            self._lg.purpose = purpose
             self.actions.append(("probe", tuple(self.retiring)))
             return
-        if self._phase == "unlisted" and (self.pod_resources is False or not self.healthy or self._no_signal):
+        if self._lg.phase == "unlisted" and (self.pod_resources is False or not self.healthy or self._lg.no_signal):
             self._fixed_wait(now)  # kubelet's count cannot show the teardown
             return
-        if self._phase == "confirm" and (self.pod_resources is False or not self.healthy):
+        if self._lg.phase == "confirm" and (self.pod_resources is False or not self.healthy):
             self._let_go_done(now, purpose)
             return
         self._ask_pod_resources(purpose)
 
     def probed(self, now: float, held: int) -> None:
         """The outcome of ("probe", ...): kubelet's connections still open, -1 if unknown."""
-        purpose = self._probe_purpose
-        if self.state is not (State.STOPPING if purpose == "stop" else State.LETTING_GO) or self._phase != "connections":
+        purpose = self._lg.purpose
+        if self.state is not (State.STOPPING if purpose == "stop" else State.LETTING_GO) or self._lg.phase != "connections":
             return
         if held < 0:  # cannot be seen after all: kubelet's count alone
             self.connections_visible = False
-            self._phase, self._no_signal = "unlisted", not self._listed_seen
+            self._lg.phase, self._lg.no_signal = "unlisted", not self._listed_seen
             self._wait_let_go(now, purpose)
         elif held > 0:
-            if not self._held_said:
-                self._held_said = True
+            if not self._lg.held_said:
+                self._lg.held_said = True
                 self._say(DEBUG, "let-go", f"{self.name}: kubelet holds {held} connection(s) to our old socket; waiting for it to let go")
-            if now < self._let_go_until:
+            if now < self._lg.until:
                 self.timers["let-go"] = now + LET_GO_POLL_S
                 return
-            self._say(WARNING, "let-go-timeout", f"{self.name}: kubelet still holds {held} connection(s) to our old socket after {now - self._let_go_begun:.0f} s; {'exiting' if purpose == 'stop' else 'registering'} anyway")
+            self._say(WARNING, "let-go-timeout", f"{self.name}: kubelet still holds {held} connection(s) to our old socket after {now - self._lg.begun:.0f} s; {'exiting' if purpose == 'stop' else 'registering'} anyway")
             self._let_go_done(now, purpose)
         else:
-            self._phase = "confirm"
-            self._confirm_until = now + CONFIRM_LIMIT_S
+            self._lg.phase = "confirm"
+            self._lg.confirm_until = now + CONFIRM_LIMIT_S
             self._wait_let_go(now, purpose)
 
     def _fixed_wait(self, now: float) -> None:
         self._end(self.retiring)
-        self._phase = "unlisted"
-        self._fixed_until = min(now + FIXED_WAIT_S, self._let_go_until)
-        self.timers["let-go"] = self._fixed_until
+        self._lg.phase = "unlisted"
+        self._lg.fixed_until = min(now + FIXED_WAIT_S, self._lg.until)
+        self.timers["let-go"] = self._lg.fixed_until
 
     def _let_go_answer(self, now: float, result, purpose: str) -> None:
         expected = State.STOPPING if purpose == "stop" else State.LETTING_GO
-        if self.state is not expected or self._phase in ("connections", "await-call"):
+        if self.state is not expected or self._lg.phase in ("connections", "await-call"):
             return
-        if self._phase == "confirm":
-            if isinstance(result, int) and result > 0 and now < self._confirm_until:
+        if self._lg.phase == "confirm":
+            if isinstance(result, int) and result > 0 and now < self._lg.confirm_until:
                 self.timers["let-go"] = now + LET_GO_POLL_S
             elif result == PR_REFUSED and purpose != "stop":
                 self._stop_retiring()
@@ -692,26 +696,26 @@ class Registration:
             else:
                 self._let_go_done(now, purpose)
             return
-        if isinstance(result, int) and self._phase == "listed":
+        if isinstance(result, int) and self._lg.phase == "listed":
             if result > 0:
                 self._end(self.retiring)
-                self._phase = "unlisted"
+                self._lg.phase = "unlisted"
                 self.timers["let-go"] = now + LET_GO_POLL_S
-            elif now >= self._relist_until:
+            elif now >= self._lg.relist_until:
                 self._fixed_wait(now)  # kubelet lists nothing of a streaming socket: no signal
             else:
-                if self._resent_at is None or now - self._resent_at >= RESEND_EVERY_S:
+                if self._lg.resent_at is None or now - self._lg.resent_at >= RESEND_EVERY_S:
                     # A stopped endpoint with its stream open (kubelet <= 1.36) lists nothing;
                     # a fresh device list makes kubelet list it again.
-                    self._resent_at = now
+                    self._lg.resent_at = now
                     for sid in self.retiring:
                         self.actions.append(("resend", sid))
                 self.timers["let-go"] = now + LET_GO_POLL_S
         elif isinstance(result, int) and result > 0:
-            if now < self._let_go_until:
+            if now < self._lg.until:
                 self.timers["let-go"] = now + LET_GO_POLL_S
                 return
-            self._say(WARNING, "let-go-timeout", f"{self.name}: kubelet still lists our old socket's devices after {now - self._let_go_begun:.0f} s; {'exiting' if purpose == 'stop' else 'registering'} anyway")
+            self._say(WARNING, "let-go-timeout", f"{self.name}: kubelet still lists our old socket's devices after {now - self._lg.begun:.0f} s; {'exiting' if purpose == 'stop' else 'registering'} anyway")
             self._let_go_done(now, purpose)
         elif isinstance(result, int):
             self._let_go_done(now, purpose)
@@ -728,13 +732,13 @@ class Registration:
 
     def _let_go_done(self, now: float, purpose: str) -> None:
         self.timers.pop("let-go", None)
-        if self._phase != "await-call":
-            self._say(DEBUG, "let-go", f"{self.name}: kubelet let go of our old socket after {(now - self._let_go_begun) * 1000:.0f} ms ({self._phase})")
+        if self._lg.phase != "await-call":
+            self._say(DEBUG, "let-go", f"{self.name}: kubelet let go of our old socket after {(now - self._lg.begun) * 1000:.0f} ms ({self._lg.phase})")
         self._end(self.retiring)
         if purpose == "stop":
-            if self.call is not None and now < self._let_go_until:
-                self._phase = "await-call"  # register_done starts the wait again
-                self.timers["let-go"] = self._let_go_until
+            if self.call is not None and now < self._lg.until:
+                self._lg.phase = "await-call"  # register_done starts the wait again
+                self.timers["let-go"] = self._lg.until
                 return
             self._finish_stop(now)
             return
@@ -775,7 +779,6 @@ class Registration:
         self._send_register(now, sid)
 
     def _send_register(self, now: float, sid: int) -> None:
-        self._registers_sent += 1
         self._cid += 1
         self.call = (self._cid, now, sid)
         self._set(State.REGISTERING, now)
