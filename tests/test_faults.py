@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from atedevd.api import DevicePluginStub, pb
-from tests.harness import RESOURCE, current_socket, our_files, plugin_sockets, wait_until
+from tests.harness import OUR_SOCKETS, RESOURCE, current_socket, our_files, plugin_sockets, wait_until
 from tests.hostile_kubelet import HostileKubelet, RawKubelet
 from tests.kubelet_standin import Kubelet
 
@@ -192,7 +192,7 @@ def test_plugin_dir_deleted_and_recreated(daemon, kubelet, plugin_dir, how):
         assert daemon.proc.poll() is None
         kubelet.start()  # re-creates the directory, then serves
         assert_recovered(kubelet, daemon, plugin_dir, registrations=n + 2)
-    assert our_files(plugin_dir) == [".atedevd", "ate.dev-kvm.*.sock", "kubelet.sock", "kubelet_internal_checkpoint"]
+    assert our_files(plugin_dir) == [".atedevd", OUR_SOCKETS, "kubelet.sock", "kubelet_internal_checkpoint"]
 
 
 def _mount(*args) -> None:
@@ -334,7 +334,7 @@ def test_kubelet_132_wiping_files_restarts_with_zero_gap_bursts(start_daemon, pl
         assert_recovered(k, d, plugin_dir, registrations=restarts + 1)
         # every old stream torn down, one live stream on the newest socket, nothing stopped
         k.assert_healthy(RESOURCE, 4096)
-        assert our_files(plugin_dir) == [".atedevd", "ate.dev-kvm.*.sock", "kubelet.sock", "kubelet_internal_checkpoint"]
+        assert our_files(plugin_dir) == [".atedevd", OUR_SOCKETS, "kubelet.sock", "kubelet_internal_checkpoint"]
     finally:
         k.close()
 
@@ -347,4 +347,4 @@ def test_kubelet_crash_loop_bursts_without_waiting(daemon, kubelet, plugin_dir):
             kubelet.restart(rng.choice([0.0, 0.002]))
         assert kubelet.wait(lambda: any(r["restart"] == kubelet.restarts for r in kubelet.registrations), 15), daemon.log()[-3000:]
         assert_recovered(kubelet, daemon, plugin_dir)
-    assert our_files(plugin_dir) == [".atedevd", "ate.dev-kvm.*.sock", "kubelet.sock", "kubelet_internal_checkpoint"]
+    assert our_files(plugin_dir) == [".atedevd", OUR_SOCKETS, "kubelet.sock", "kubelet_internal_checkpoint"]

@@ -52,8 +52,8 @@ def test_several_devices_each_registered_on_its_own_socket(start_daemon, kubelet
     for resource, count in (("ate.dev/kvm", 4096), ("ate.dev/vhost-net", 64), ("ate.dev/fuse", 8)):
         assert kubelet.wait_connected(resource), d.log()
         assert wait_until(lambda: kubelet.capacity(resource) == count, 5)
-    endpoints = sorted(re.sub(r"^(ate\.dev-[a-z-]+)\.[A-Za-z0-9_-]+\.sock$", r"\1.sock", r["endpoint"]) for r in kubelet.registrations)
-    assert endpoints == ["ate.dev-fuse.sock", "ate.dev-kvm.sock", "ate.dev-vhost-net.sock"]  # one name per registration
+    endpoints = sorted(re.sub(r"^(ate\.dev_[a-z-]+)\.[a-z0-9]+-[0-9]+\.sock$", r"\1.sock", r["endpoint"]) for r in kubelet.registrations)
+    assert endpoints == ["ate.dev_fuse.sock", "ate.dev_kvm.sock", "ate.dev_vhost-net.sock"]  # one name per registration
     (spec,) = kubelet.allocate("ate.dev/vhost-net", ["vhost-net-3"]).container_responses[0].devices
     assert (spec.host_path, spec.container_path, spec.permissions) == ("/dev/vhost-net", "/dev/vhost-net", "rwm")
     with pytest.raises(grpc.RpcError) as e:
