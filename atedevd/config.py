@@ -28,6 +28,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from atedevd import policy, sockets
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -496,8 +498,6 @@ _DEVICE_CHECKS = {"resource": _check_resource, "path": _check_path,
 
 def _check_socket_names(cfg: Config, report: _Report) -> None:
     """Every resource's socket file is its own and fits a unix socket path."""
-    from atedevd import sockets  # no gRPC there; here to keep config's imports to the stdlib
-
     for problem in sockets.check_names(cfg.device_plugin_dir, [d.resource for d in cfg.devices]):
         report.add(problem)
 
@@ -506,8 +506,6 @@ def _check_policy(cfg: Config, lines: Optional[_Lines], report: _Report) -> None
     """Refuse a device whose node gives a container the host (policy.py), unless
     its table opts in. A node absent now cannot be judged: the daemon judges it
     when it appears."""
-    from atedevd import policy
-
     for i, dev in enumerate(cfg.devices):
         try:
             found = policy.refusal(dev.host_path(cfg.dev_root))

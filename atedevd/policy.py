@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 SYS_ROOT = "/sys"
-OPT_IN_KEY = "allow_host_access"
 
 
 @dataclass(frozen=True)

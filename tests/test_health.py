@@ -64,6 +64,20 @@ def test_several_devices_each_registered_on_its_own_socket(start_daemon, kubelet
     assert wait_until(lambda: "ate.dev/fuse: registered, 8/8 healthy" in (d.status() or ""), 5), d.status()
 
 
+def test_resources_whose_old_socket_names_collided_each_answer_with_their_own_node(start_daemon, kubelet, dev_root, tmp_path):
+    """`a.dev/b-c` and `a.dev-b/c` were one socket file: whichever bound last answered both."""
+    node(dev_root, "x")
+    node(dev_root, "y", "/dev/zero")
+    d = start_daemon(config=write(tmp_path / "c.toml", '[[device]]\nresource = "a.dev/b-c"\npath = "/dev/x"\n'
+                                  '[[device]]\nresource = "a.dev-b/c"\npath = "/dev/y"\n'))
+    d.wait_ready()
+    assert kubelet.wait_connected("a.dev/b-c") and kubelet.wait_connected("a.dev-b/c"), d.log()
+    assert kubelet.current_endpoint("a.dev/b-c") != kubelet.current_endpoint("a.dev-b/c")
+    for resource, unit, path in (("a.dev/b-c", "x-0", "/dev/x"), ("a.dev-b/c", "y-0", "/dev/y")):
+        (spec,) = kubelet.allocate(resource, [unit]).container_responses[0].devices
+        assert spec.host_path == path, (resource, spec)
+
+
 def test_removed_node_goes_unhealthy_and_back_healthy_registration_kept(daemon, kubelet, dev_root):
     kvm = os.path.join(dev_root, "kvm")
     for _ in range(3):

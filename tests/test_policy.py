@@ -189,3 +189,49 @@ def test_this_hosts_sysfs_names_dev_null_as_the_rules_expect():
     found = policy.look("/dev/null")
     assert (found.kind, found.numbers, found.subsystem, found.name) == ("char", "1:3", "mem", "null")
     assert policy.judge(found) is None
+
+
+@needs_root
+def test_check_and_check_config_warn_about_every_opted_in_device(tmp_path):
+    import io
+
+    from atedevd import check, config
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    os.mknod(dev / "msr", stat.S_IFCHR | 0o600, os.makedev(202, 0))
+    os.mknod(dev / "kvm", stat.S_IFCHR | 0o600, os.makedev(10, 232))
+    path = tmp_path / "c.toml"
+    path.write_text(f'[daemon]\ndev_root = "{dev}"\ndevice_plugin_dir = "{tmp_path}/dp"\n'
+                    '[[device]]\nresource = "a.dev/msr"\npath = "/dev/msr"\nallow_host_access = true\n'
+                    '[[device]]\nresource = "a.dev/kvm"\npath = "/dev/kvm"\nallow_host_access = true\n'
+                    '[[device]]\nresource = "a.dev/later"\npath = "/dev/later"\nallow_host_access = true\n')
+    out = io.StringIO()
+    assert check.check_config(str(path), out, required=True) == 0
+    warned = out.getvalue()
+    assert (f"WARNING: a.dev/msr: granted because allow_host_access = true: {dev}/msr (char 202:0, not in sysfs) "
+            "is CPU model-specific registers") in warned
+    assert "note: a.dev/kvm: allow_host_access = true has no effect" in warned
+    assert "WARNING: a.dev/later: allow_host_access = true and /dev/later is not there" in warned
+    out = io.StringIO()
+    check.run(config.load(str(path), required=True), out, unit=lambda: None)
+    assert "WARNING: a.dev/msr: granted because allow_host_access = true" in out.getvalue()
+
+
+def test_presence_follows_symlinks_as_the_runtime_does(tmp_path):
+    """containerd resolves a DeviceSpec's host path (EvalSymlinks) and stats the target; a dangling
+    link fails the container and a link to a directory would grant every node in it."""
+    from atedevd import devices
+    from atedevd.config import Device
+
+    dev = tmp_path / "dev"
+    (dev / "dri").mkdir(parents=True)
+    os.symlink("/dev/null", dev / "dri" / "card0")
+    os.symlink("dri/card0", dev / "gpu")  # relative, like udev's by-path links
+    os.symlink("dri", dev / "gpus")
+    os.symlink("nothing", dev / "gone")
+    look = lambda name: devices.presence(Device("a.dev/x", f"/dev/{name}"), str(dev))  # noqa: E731
+    gpu = look("gpu")
+    assert gpu.state == devices.PRESENT and (gpu.node.resolved, gpu.node.numbers) == ("/dev/null", "1:3")
+    assert look("gpus").state == "a directory, not a character device"
+    assert look("gone").state == devices.MISSING
