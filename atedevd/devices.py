@@ -96,16 +96,17 @@ class NodeWatch:
         found = presence(device, dev_root, sys_root)
         numbers = (found.node.major, found.node.minor) if found.node else None
         state = found.state
-        if state == PRESENT and self.first is not None and numbers != self.first:
-            state = "changed"
+        if state == PRESENT:
+            if self.first is None:  # the first node served (again after a reload)
+                self.first = numbers
+            elif numbers != self.first:
+                state = "changed"
         key = (state, numbers)
         if key == self._last:
             return None
         first_look, self._last = self._last is None, key
         where = device.host_path(dev_root)
         if state == PRESENT:
-            if self.first is None:
-                self.first = numbers
             if found.refusal is not None:  # opted in: said at every start and whenever it appears
                 return Change(True, logging.WARNING, "device-host-access",
                               f"{device.path} gives pods the host, granted because allow_host_access = true: {found.refusal}")

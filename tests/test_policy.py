@@ -235,3 +235,21 @@ def test_presence_follows_symlinks_as_the_runtime_does(tmp_path):
     assert gpu.state == devices.PRESENT and (gpu.node.resolved, gpu.node.numbers) == ("/dev/null", "1:3")
     assert look("gpus").state == "a directory, not a character device"
     assert look("gone").state == devices.MISSING
+
+
+def test_node_watch_keeps_the_first_node_across_a_reload_that_changed_nothing(tmp_path):
+    from atedevd import devices
+    from atedevd.config import Device
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    os.symlink("/dev/null", dev / "kvm")
+    kvm, watch = Device("ate.dev/kvm", "/dev/kvm"), devices.NodeWatch()
+    assert watch.look(kvm, str(dev), advertised=False).present
+    assert watch.look(kvm, str(dev), advertised=True) is None  # nothing changed: nothing to say
+    watch.forget()  # a reload
+    assert watch.look(kvm, str(dev), advertised=True) is None
+    os.symlink("/dev/zero", dev / "kvm.new")
+    os.rename(dev / "kvm.new", dev / "kvm")
+    change = watch.look(kvm, str(dev), advertised=True)
+    assert not change.present and change.event == "device-changed" and "not the 1:3 first served" in change.message
