@@ -82,8 +82,10 @@ class NodeWatch:
     def look(self, device: Device, dev_root: str, advertised: bool, sys_root: str = policy.SYS_ROOT) -> Optional[Change]:
         """The change since the last look, or None.
 
-        One stat() when nothing changed (about 2 us); the full look (symlinks,
-        sysfs, the policy: about 50 us) only when the node's type or numbers did.
+        One stat() when nothing changed (6 us a look here, against 50 us for the
+        full one: symlinks, sysfs, the policy), which runs only when the node's
+        type or numbers changed. A driver that takes over a node's numbers has
+        its node made anew by udev, so it is looked at in full.
         """
         try:
             st = os.stat(device.host_path(dev_root))
