@@ -54,6 +54,7 @@ def run(cfg: Config, out: TextIO, unit: Callable[[], Optional[Dict[str, str]]] =
             problems.append(f"{dev.resource}: {host}: {what}")
     out.write(_table(rows) + "\n\n")
     _non_root(cfg, out)
+    _host_access(cfg, out)
 
     plugin_dir = cfg.device_plugin_dir
     sock = os.path.join(plugin_dir, "kubelet.sock")
@@ -91,6 +92,7 @@ def check_config(path: str, out: TextIO, required: bool = False, err: Optional[T
     n = len(cfg.devices)
     what = cfg.source or f"built-in defaults ({path} not found)"
     out.write(f"config OK: {what}, {n} device{'s' if n != 1 else ''}\n")
+    _host_access(cfg, out)
     return 0
 
 
@@ -133,6 +135,38 @@ def socket_state(path: str, timeout: float = SOCKET_TIMEOUT_S) -> Tuple[bool, st
         return False, f"cannot connect: {e.strerror or e}"
     finally:
         s.close()
+
+
+# --- the device policy: nodes that give a pod the host -------------------------------
+
+def host_access_warnings(cfg: Config) -> List[str]:
+    """One line per device whose table sets allow_host_access: what it lets through."""
+    from atedevd import policy
+
+    lines = []
+    for dev in cfg.devices:
+        if not dev.allow_host_access:
+            continue
+        try:
+            found = policy.refusal(dev.host_path(cfg.dev_root))
+        except OSError:
+            lines.append(f"WARNING: {dev.resource}: allow_host_access = true and {dev.path} is not there: "
+                         "whatever node appears there is granted, even one that gives pods the host")
+            continue
+        if found is None:
+            lines.append(f"note: {dev.resource}: allow_host_access = true has no effect: "
+                         f"{dev.path} is not a node the device policy refuses")
+        elif not found.rule.opt_in:
+            lines.append(f"{dev.resource}: {found} (allow_host_access cannot grant it)")
+        else:
+            lines.append(f"WARNING: {dev.resource}: granted because allow_host_access = true: {found}")
+    return lines
+
+
+def _host_access(cfg: Config, out: TextIO) -> None:
+    lines = host_access_warnings(cfg)
+    if lines:
+        out.write("Device policy (see atedevd.toml(5)):\n" + "".join(f"  {line}\n" for line in lines) + "\n")
 
 
 # --- non-root containers ---------------------------------------------------------

@@ -28,6 +28,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from atedevd import policy, sockets
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -41,7 +43,7 @@ MIN_COUNT, MAX_COUNT = 1, 65536
 MAX_DEVICE_ID = 63  # kubelet's limit on a device ID
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DAEMON_KEYS = ("device_plugin_dir", "dev_root", "log_level")
-DEVICE_KEYS = ("resource", "path", "count", "permissions")
+DEVICE_KEYS = ("resource", "path", "count", "permissions", "allow_host_access")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class Device:
     path: str
     count: int = 4096
     permissions: str = "rw"
+    # Grant it even if the device policy (policy.py) refuses the node: an
+    # operator who means it, warned at every start and by `atedevd check`.
+    allow_host_access: bool = False
 
     def host_path(self, dev_root: str = "/dev") -> str:
         """Where this node is looked up: `/dev/net/tun` -> `<dev_root>/net/tun`.
@@ -96,6 +101,7 @@ def load(path: str, required: bool = False, overrides: Optional[Mapping[str, str
     """
     report = _Report(path)
     cfg = Config()
+    lines: Optional[_Lines] = None
     text = _read(path, required, report)
     if text is not None:
         lines = _Lines(text)
@@ -105,6 +111,9 @@ def load(path: str, required: bool = False, overrides: Optional[Mapping[str, str
             cfg = _build(data, lines, report)
         cfg = replace(cfg, source=path)
     cfg = _apply_overrides(cfg, overrides or {}, report)
+    if not report.errors:  # on the final values: the overrides name the directories looked in
+        _check_socket_names(cfg, report)
+        _check_policy(cfg, lines, report)
     if report.errors:
         raise ConfigError(report.errors)
     return cfg
@@ -476,8 +485,46 @@ def _check_permissions(v) -> Optional[str]:
     return None
 
 
+def _check_bool(v) -> Optional[str]:
+    if not isinstance(v, bool):
+        return f"must be true or false, got {_type_name(v)}"
+    return None
+
+
 _DEVICE_CHECKS = {"resource": _check_resource, "path": _check_path,
-                  "count": _check_count, "permissions": _check_permissions}
+                  "count": _check_count, "permissions": _check_permissions,
+                  "allow_host_access": _check_bool}
+
+
+def _check_socket_names(cfg: Config, report: _Report) -> None:
+    """Every resource's socket file is its own and fits a unix socket path."""
+    for problem in sockets.check_names(cfg.device_plugin_dir, [d.resource for d in cfg.devices]):
+        report.add(problem)
+
+
+def _check_policy(cfg: Config, lines: Optional[_Lines], report: _Report) -> None:
+    """Refuse a device whose node gives a container the host (policy.py), unless
+    its table opts in. A node absent now cannot be judged: the daemon judges it
+    when it appears."""
+    for i, dev in enumerate(cfg.devices):
+        try:
+            found = policy.refusal(dev.host_path(cfg.dev_root))
+        except OSError:
+            continue  # absent or unreadable: judged when the daemon finds it
+        if policy.refused(found, dev.allow_host_access):
+            if cfg.devices is DEFAULT_DEVICES:
+                where, line = "the built-in device", None
+            else:
+                where, line = f"[[device]] #{i + 1} path", lines.of("device", i, "path") if lines else None
+            report.add(f"{where}: {_q(dev.path)} ({dev.resource}): {refusal_text(found)}", line)
+
+
+def refusal_text(found) -> str:
+    """Why a device is refused and what would let it through (shared with the daemon and `check`)."""
+    if not found.rule.opt_in:
+        return f"refused: {found}"
+    return (f"refused: {found}. If pods on this node are meant to have that, "
+            f"set allow_host_access = true in this [[device]] table")
 
 
 def _apply_overrides(cfg: Config, overrides: Mapping[str, Optional[str]], report: _Report) -> Config:

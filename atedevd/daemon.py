@@ -15,7 +15,7 @@ import re
 import select
 import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import inotify.constants as ic
@@ -46,6 +46,7 @@ class Resource:
     advertised: bool = False  # once served, kept served (Unhealthy while the node is missing)
     present: Optional[bool] = None
     version: int = 0
+    node: devices.NodeWatch = field(default_factory=devices.NodeWatch)  # the node first served
 
     @property
     def name(self) -> str:
@@ -134,6 +135,7 @@ class Daemon:
         event(INFO, "stopping", "stopping: removing our sockets")
         for r in self.resources.values():
             r.reg.close()
+        sockets.remove_standby_dir(self.cfg.device_plugin_dir)  # nothing of ours left in kubelet's directory
         self._workers.shutdown(wait=False)
         self._watcher.close()
 
@@ -236,22 +238,17 @@ class Daemon:
                 r.reg.check_sockets(now)
 
     def _check_presence(self, r: Resource, now: float) -> None:
-        found = devices.presence(r.device, self.cfg.dev_root)
-        present = found == "present"
-        if present == r.present:
+        if r.present is None:  # new, or its configuration changed: whatever node is there now is judged afresh
+            r.node = devices.NodeWatch()
+        change = r.node.look(r.device, self.cfg.dev_root, r.advertised)
+        if change is None:
             return
-        first = r.present is None
-        r.present = present
-        where = r.device.host_path(self.cfg.dev_root)
-        if present:
-            if not first:
-                event(INFO, "device-present", f"{r.name}: {r.device.path} is present again" if r.advertised else f"{r.name}: {r.device.path} appeared; advertising it", resource=r.name, device=r.device.path)
+        event(change.level, change.event, f"{r.name}: {change.message}", resource=r.name, device=r.device.path)
+        if change.present == r.present:
+            return
+        r.present = change.present
+        if change.present:
             r.advertised = True
-        elif found == "missing":
-            level = INFO if first else WARNING
-            event(level, "device-missing", f"{r.name}: {r.device.path} is missing ({where}); {'units are Unhealthy' if r.advertised else 'not advertised until it appears'}", resource=r.name, device=r.device.path)
-        else:
-            event(WARNING, "device-missing", f"{r.name}: {where} is {found}; treating it as missing", resource=r.name, device=r.device.path)
         if r.reg is not None:  # None while the resource is being added
             r.reg.publish(self._snapshot(r), now)
 
@@ -318,6 +315,8 @@ class Daemon:
             event(logging.ERROR, "reload-failed", f"reload failed; keeping the running configuration:\n{e}")
         else:
             self.reload_error = None
+            for r in self.resources.values():  # the checked configuration accepts the nodes there now
+                r.node.forget()
             self._apply(cfg)
             event(INFO, "reloaded", f"configuration reloaded: {self._summary()}")
         self.notifier.ready(self._status())

@@ -1,8 +1,13 @@
 """Our socket files in kubelet's plugin directory: names, leftovers, connections.
 
-Every registration gets a socket file of its own, `ate.dev-kvm.<run>-<n>.sock`
+Every registration gets a socket file of its own, `ate.dev_kvm.<run>-<n>.sock`
 (`<run>` is random per daemon start, `<n>` counts registrations), so no kubelet
 version can mistake the teardown of an old connection for the new one. The
+resource's part of the name is the resource with its "/" written "_": a
+resource's domain cannot contain "_", so the first "_" is where the domain
+ends and no two resources share a name (`a.dev/b-c` is `a.dev_b-c`,
+`a.dev-b/c` is `a.dev-b_c`; the "-" that earlier versions used made both
+`a.dev-b-c`). The
 next socket is bound in advance in a subdirectory, which kubelet's wipe of the
 directory leaves alone (it removes files, never directories), and renamed into
 place when it is needed: a rename costs microseconds, building a gRPC server
@@ -14,13 +19,21 @@ import re
 import select
 import socket
 import stat
-from typing import Iterable, List
+from typing import Iterable, List, Sequence
 
 STANDBY_DIR = ".atedevd"
 # sun_path is 108 bytes with the terminating NUL.
 MAX_SOCKET_PATH = 107
 _RUN_ALPHABET = "abcdefghijklmnopqrstuvwxyz234567"
 _RUN_LENGTH = 6
+# Registrations one daemon may make before its names outgrow what was checked: one
+# a second for eleven days. `check_names` keeps room for this many digits of <n>.
+_N_DIGITS = 6
+# The resource's part of a socket name, at most: with the run, a count of _N_DIGITS
+# and ".sock", the path fits a unix socket in kubelet directories of up to 56 bytes
+# (microk8s: /var/snap/microk8s/common/var/lib/kubelet/device-plugins).
+MAX_PREFIX = 31
+_HASH_CHARS = 12
 
 
 def new_run_id() -> str:
@@ -30,18 +43,72 @@ def new_run_id() -> str:
 
 
 def prefix(resource: str) -> str:
-    """`ate.dev/kvm` -> `ate.dev-kvm`."""
+    """`ate.dev/kvm` -> `ate.dev_kvm`: one name per resource, never shared.
+
+    A resource is `<domain>/<name>` where the domain is a DNS subdomain (no
+    "_") and the name may hold "_": the first "_" is the "/", so the mapping
+    is injective and reads back. A resource longer than MAX_PREFIX bytes
+    (kubelet accepts 300) keeps its beginning and ends in "~" and a hash of
+    the whole name: "~" is in no resource name, so it meets no short one, and
+    `check_names` refuses a configuration where two long ones would meet.
+    """
+    name = resource.replace("/", "_", 1)
+    if len(name) <= MAX_PREFIX:
+        return name
+    digest = f"{_fnv1a64(resource.encode()):016x}"[:_HASH_CHARS]
+    return f"{name[:MAX_PREFIX - _HASH_CHARS - 1]}~{digest}"
+
+
+def _fnv1a64(data: bytes) -> int:
+    """FNV-1a, 64 bits: a stable hash without hashlib, which loads OpenSSL."""
+    h = 0xCBF29CE484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def _old_prefix(resource: str) -> str:
+    """The name part earlier versions used (`ate.dev-kvm`), which two resources
+    could share; only looked for, to remove what those versions left behind."""
     return resource.replace("/", "-")
 
 
 def socket_name(resource: str, run_id: str, n: int) -> str:
+    """The file name of registration `n` of `resource` in daemon run `run_id`."""
     return f"{prefix(resource)}.{run_id}-{n}.sock"
 
 
+def check_names(plugin_dir: str, resources: Sequence[str]) -> List[str]:
+    """Problems with these resources' socket files in `plugin_dir`, one line each:
+    two resources with one file name, or a path too long for a unix socket
+    (with room for a registration count of `_N_DIGITS` digits; the standby
+    directory's longer path is not needed, see registration). Empty when every
+    name is its own and fits."""
+    problems = []
+    owner = {}
+    longest = "z" * _RUN_LENGTH, 10 ** _N_DIGITS - 1
+    for resource in resources:
+        name = socket_name(resource, *longest)
+        if name in owner:
+            problems.append(f"resources {owner[name]!r} and {resource!r} would share the socket file name {name!r}")
+            continue
+        owner[name] = resource
+        path = os.path.join(plugin_dir, name)
+        size = len(os.fsencode(path))
+        if size > MAX_SOCKET_PATH:
+            problems.append(f"resource {resource!r}: its socket path {path!r} is {size} bytes, more than the "
+                            f"{MAX_SOCKET_PATH} a unix socket allows; device_plugin_dir is too long")
+    return problems
+
+
 def _leftover_pattern(resources: Iterable[str]) -> "re.Pattern[str]":
+    resources = list(resources)
     names = "|".join(re.escape(prefix(r)) for r in resources)
-    # Ours from any earlier run, and the single fixed name of atedevd 0.1.
-    return re.compile(rf"^(?:{names})(?:\.[a-z0-9]{{1,16}}-[0-9]+)?\.sock$")
+    old = "|".join(re.escape(_old_prefix(r)) for r in resources)
+    # Ours from any earlier run, and the names of earlier versions: one per
+    # registration (`ate.dev-kvm.<run>-<n>.sock`) and the single fixed `ate.dev-kvm.sock`.
+    run = r"\.[a-z0-9]{1,16}-[0-9]+"
+    return re.compile(rf"^(?:(?:{names}){run}|(?:{old})(?:{run})?)\.sock$")
 
 
 def remove_leftovers(plugin_dir: str, resources: Iterable[str]) -> List[str]:
@@ -69,6 +136,19 @@ def remove_leftovers(plugin_dir: str, resources: Iterable[str]) -> List[str]:
                 except OSError:
                     pass
     return removed
+
+
+def remove_standby_dir(plugin_dir: str) -> bool:
+    """Remove our standby directory when nothing is left in it (at stop, after
+    the sockets are gone), so nothing of ours stays in kubelet's directory.
+    True when it is gone; a directory someone put something else in is kept."""
+    try:
+        os.rmdir(os.path.join(plugin_dir, STANDBY_DIR))
+    except FileNotFoundError:
+        return True
+    except OSError:  # ENOTEMPTY: not only ours; EBUSY, EROFS: not ours to change
+        return False
+    return True
 
 
 def _is_dead_socket(path: str) -> bool:

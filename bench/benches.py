@@ -14,7 +14,7 @@ from typing import List, Tuple
 
 from atedevd.plugin import PRESTARTED_WORKERS as WORKERS
 from bench.rig import BusyCore, Rig, TimedKubelet, cpu_seconds, percentile, snapshot
-from tests.harness import REPO, RESOURCE, current_socket, our_files
+from tests.harness import OUR_SOCKETS, REPO, RESOURCE, current_socket, our_files
 from tests.kubelet_standin import MODES
 
 Row = Tuple[str, str, str, str, str]
@@ -317,7 +317,7 @@ def soak(quick: bool) -> List[Row]:
             mark(f"{done} restarts")
         left = our_files(rig.plugin_dir)
         alive = d.proc.poll() is None
-    expected = [".atedevd", "ate.dev-kvm.*.sock", "kubelet.sock", "kubelet_internal_checkpoint"]
+    expected = [".atedevd", OUR_SOCKETS, "kubelet.sock", "kubelet_internal_checkpoint"]
     start, warm, end = marks[0][1], marks[1][1], marks[-1][1]
     after_warmup = [m for label, m in marks[1:]]  # from the first tenth of the Allocates on
 

@@ -74,8 +74,8 @@ RUNTIME_PACKAGES = (
 
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
-SOCKET = PLUGIN_DIR + "/ate.dev-kvm.sock"  # the older fixed name; now one name per registration
-SOCKET_GLOB = PLUGIN_DIR + "/ate.dev-kvm*.sock"
+SOCKET = PLUGIN_DIR + "/ate.dev-kvm.sock"  # the oldest fixed name; now one name per registration
+SOCKET_GLOB = PLUGIN_DIR + "/ate.dev_kvm.*.sock"
 RESOURCE = "ate.dev/kvm"
 TEST_LIB = "/usr/local/lib/atedevd-tests"  # the kubelet stand-in and probes, inside the container
 STANDIN_UNIT = "kubelet-standin"
@@ -481,8 +481,8 @@ def start_standin(node: Container, *extra: str, pythonpath: str = "") -> None:
 
 
 def our_sockets(node: "Container") -> list:
-    """The daemon's socket files for ate.dev/kvm (`ate.dev-kvm.<instance>-<n>.sock`, or the older fixed name)."""
-    out = node.run("find", PLUGIN_DIR, "-maxdepth", "1", "-type", "s", "-name", "ate.dev-kvm*.sock", check=False).stdout
+    """The daemon's socket files for ate.dev/kvm (`ate.dev_kvm.<instance>-<n>.sock`)."""
+    out = node.run("find", PLUGIN_DIR, "-maxdepth", "1", "-type", "s", "-name", "ate.dev_kvm.*.sock", check=False).stdout
     return sorted(line for line in out.splitlines() if line.strip())
 
 

@@ -5,6 +5,7 @@ Shared by the tests, the benchmarks and the demo.
 
 import glob
 import os
+import re
 import signal
 import stat
 import socket
@@ -16,15 +17,22 @@ from typing import List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESOURCE = "ate.dev/kvm"
-SOCKET_NAME = "ate.dev-kvm.sock"  # the old fixed name; newer daemons use ate.dev-kvm.<instance>-<n>.sock
+SOCKET_NAME = "ate.dev-kvm.sock"  # the oldest fixed name; now ate.dev_kvm.<instance>-<n>.sock
+OUR_SOCKETS = "ate.dev_kvm.*.sock"  # how `our_files` lists the daemon's sockets for RESOURCE
+
+
+def socket_prefix(resource: str) -> str:
+    """The resource's part of its socket names: `ate.dev/kvm` -> `ate.dev_kvm` (a domain has
+    no "_", so no two resources share it). Written out here, not imported: the tests' oracle."""
+    return resource.replace("/", "_", 1)
 
 
 def plugin_sockets(plugin_dir: str, resource: str = RESOURCE) -> List[str]:
-    """The daemon's socket files for `resource`, newest first: `<resource>.<instance>-<n>.sock`
-    (one per registration), or the older fixed `<resource>.sock`."""
-    base = resource.replace("/", "-")
+    """The daemon's socket files for `resource`, newest first: `<prefix>.<instance>-<n>.sock`
+    (one per registration), or the oldest fixed `<domain>-<name>.sock`."""
+    base = socket_prefix(resource)
     paths = glob.glob(os.path.join(glob.escape(plugin_dir), glob.escape(base) + ".*.sock"))
-    paths.append(os.path.join(plugin_dir, base + ".sock"))
+    paths.append(os.path.join(plugin_dir, resource.replace("/", "-") + ".sock"))
     found = []
     for p in paths:
         try:
@@ -48,15 +56,15 @@ def current_socket(plugin_dir: str, resource: str = RESOURCE, kubelet=None) -> O
 
 
 def our_files(plugin_dir: str) -> List[str]:
-    """The plugin directory's entries with our sockets' names normalised to `<resource>.*.sock`;
-    the stand-in's private `.standin` directory (not kubelet's) is left out."""
+    """The plugin directory's entries with our sockets' names normalised to `<prefix>.*.sock`
+    (`ate.dev_kvm.*.sock`); the stand-in's private `.standin` directory (not kubelet's) is left out."""
     out = []
     for name in sorted(os.listdir(plugin_dir)):
         if name == ".standin":
             continue
-        if name.startswith("ate.dev-") and name.endswith(".sock"):
-            head = name[: -len(".sock")].split(".", 2)
-            name = ".".join(head[:2]) + ".*.sock" if len(head) > 2 else name[: -len(".sock")] + ".*.sock"
+        m = re.fullmatch(r"(ate\.dev_[^.]+(?:\.[^.]+)*?)\.[a-z0-9]+-[0-9]+\.sock", name)
+        if m:
+            name = m.group(1) + ".*.sock"
         out.append(name)
     return sorted(out)
 

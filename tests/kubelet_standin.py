@@ -952,10 +952,10 @@ def _stale_socket(path: str) -> None:
 
 def plugin_sockets(plugin_dir: str, resource: str) -> List[str]:
     """The plugin's socket files for `resource` in the directory, newest first
-    (`ate.dev-kvm.<instance>-<n>.sock`, or the older fixed `ate.dev-kvm.sock`)."""
-    base = resource.replace("/", "-")
+    (`ate.dev_kvm.<instance>-<n>.sock`, or the oldest fixed `ate.dev-kvm.sock`)."""
+    base = resource.replace("/", "_", 1)
     paths = glob.glob(os.path.join(glob.escape(plugin_dir), f"{glob.escape(base)}.*.sock"))
-    fixed = os.path.join(plugin_dir, base + ".sock")
+    fixed = os.path.join(plugin_dir, resource.replace("/", "-") + ".sock")
     if os.path.exists(fixed):
         paths.append(fixed)
     paths = [p for p in paths if _is_socket(p)]

@@ -541,7 +541,8 @@ _valid_device = st.builds(
 @given(st.lists(_valid_device, min_size=1, max_size=5, unique_by=(lambda d: d.resource, lambda d: d.path)),
        st.sampled_from(config.LOG_LEVELS))
 def test_valid_documents_round_trip(tmp_path, devices, level):
-    text = f'[daemon]\nlog_level = "{level}"\n' + "".join(
+    # An empty dev root: the device policy judges the nodes there, and this host's /dev has some it refuses.
+    text = f'[daemon]\nlog_level = "{level}"\ndev_root = "{tmp_path}/nodev"\n' + "".join(
         f'[[device]]\nresource = "{d.resource}"\npath = "{d.path}"\ncount = {d.count}\npermissions = "{d.permissions}"\n'
         for d in devices)
     cfg = config.load(write(tmp_path, text))
@@ -565,3 +566,114 @@ def test_at_most_32_devices(tmp_path):
     path = tmp_path / "ok.toml"
     path.write_text("".join(table(i) for i in range(32)))
     assert len(config.load(str(path), required=True).devices) == 32
+
+
+# --- socket names ----------------------------------------------------------------------
+
+def test_resources_that_shared_a_socket_name_get_their_own(tmp_path):
+    """`a.dev/b-c` and `a.dev-b/c` were both `a.dev-b-c.<run>-<n>.sock`: one resource's
+    Allocate could be answered by the other's server."""
+    from atedevd import sockets
+
+    cfg = config.load(write(tmp_path, device(resource='"a.dev/b-c"', path='"/dev/x"')
+                            + device(resource='"a.dev-b/c"', path='"/dev/y"')))
+    names = [sockets.socket_name(d.resource, "abcdef", 1) for d in cfg.devices]
+    assert names == ["a.dev_b-c.abcdef-1.sock", "a.dev-b_c.abcdef-1.sock"]
+
+
+def test_a_configuration_whose_resources_would_share_a_socket_is_refused_naming_both(tmp_path, monkeypatch):
+    from atedevd import sockets
+
+    monkeypatch.setattr(sockets, "prefix", lambda r: r.replace("/", "-"))  # the old mapping, which collided
+    assert errors(tmp_path, device(resource='"a.dev/b-c"', path='"/dev/x"')
+                  + device(resource='"a.dev-b/c"', path='"/dev/y"')) == [
+        ": resources 'a.dev/b-c' and 'a.dev-b/c' would share the socket file name 'a.dev-b-c.zzzzzz-999999.sock'"]
+
+
+def test_long_resource_names_are_shortened_and_stay_apart():
+    from atedevd import sockets
+
+    a, b = "a" * 244 + "/kvm", "a" * 244 + "/kvn"
+    assert sockets.prefix(a) != sockets.prefix(b)
+    assert len(sockets.prefix(a)) == sockets.MAX_PREFIX and sockets.prefix(a).startswith("a" * 18 + "~")
+    assert sockets.prefix("example.com/Fuse_2.x") == "example.com_Fuse_2.x"  # short ones stay readable
+    assert sockets.check_names("/var/snap/microk8s/common/var/lib/kubelet/device-plugins", [a, b]) == []
+
+
+def test_a_socket_path_too_long_for_a_unix_socket_is_refused(tmp_path):
+    long_dir = "/var/lib/" + "k" * 60 + "/device-plugins"
+    errs = errors(tmp_path, f'[daemon]\ndevice_plugin_dir = "{long_dir}"\n' + device(**KVM))
+    assert len(errs) == 1 and errs[0].startswith(": resource 'ate.dev/kvm': its socket path ")
+    assert "bytes, more than the 107 a unix socket allows; device_plugin_dir is too long" in errs[0]
+
+
+# --- the device policy -------------------------------------------------------------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+
+
+def nodes(tmp_path, **made):
+    """A dev root with these nodes: name=(kind, major, minor) or name="target" for a symlink."""
+    import stat
+
+    dev = tmp_path / "dev"
+    dev.mkdir(exist_ok=True)
+    for name, what in made.items():
+        path = dev / name.replace("__", "/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(what, str):
+            os.symlink(what, path)
+        else:
+            kind, major, minor = what
+            os.mknod(path, (stat.S_IFCHR if kind == "c" else stat.S_IFBLK) | 0o600, os.makedev(major, minor))
+    return f'[daemon]\ndev_root = "{dev}"\n'
+
+
+@needs_root
+def test_a_node_that_gives_the_host_is_refused_naming_node_numbers_and_why(tmp_path):
+    head = nodes(tmp_path, mem=("c", 1, 1), kvm="mem", sda=("b", 8, 0), msr=("c", 202, 0), ok=("c", 10, 232))
+    errs = errors(tmp_path, head + device(resource='"ate.dev/kvm"', path='"/dev/kvm"')
+                  + device(resource='"ate.dev/disk"', path='"/dev/sda"', allow_host_access="true")
+                  + device(resource='"ate.dev/msr"', path='"/dev/msr"') + device(resource='"ate.dev/ok"', path='"/dev/ok"'))
+    dev = tmp_path / "dev"
+    assert errs == [
+        f':5: [[device]] #1 path: "/dev/kvm" (ate.dev/kvm): refused: {dev}/kvm -> {dev}/mem (char 1:1, not in sysfs) '
+        "is physical memory (/dev/mem): a pod holding it reads and writes all of the host's RAM, the kernel's included. "
+        "If pods on this node are meant to have that, set allow_host_access = true in this [[device]] table",
+        f':8: [[device]] #2 path: "/dev/sda" (ate.dev/disk): refused: {dev}/sda (block 8:0, not in sysfs) is a disk '
+        "(block device): a pod holding it reads and writes the whole disk, beneath every filesystem and file "
+        "permission on it (atedevd grants character devices only)",
+        f':12: [[device]] #3 path: "/dev/msr" (ate.dev/msr): refused: {dev}/msr (char 202:0, not in sysfs) is CPU '
+        "model-specific registers (/dev/cpu/N/msr): a pod holding it rewrites host CPU state the kernel relies on: "
+        "kernel code execution. If pods on this node are meant to have that, set allow_host_access = true in this "
+        "[[device]] table",
+    ]
+
+
+@needs_root
+def test_the_opt_in_lets_a_refused_node_through(tmp_path):
+    head = nodes(tmp_path, mem=("c", 1, 1))
+    cfg = config.load(write(tmp_path, head + device(resource='"ate.dev/mem"', path='"/dev/mem"', allow_host_access="true")))
+    assert cfg.devices[0].allow_host_access is True
+    assert config.load(write(tmp_path, head + device(resource='"ate.dev/mem"', path='"/dev/mem"'), name="b.toml"),
+                       overrides={"dev_root": str(tmp_path / "elsewhere")}).devices  # absent there: judged later
+
+
+@needs_root
+def test_the_built_in_device_is_judged_too(tmp_path):
+    nodes(tmp_path, kvm=("c", 1, 4))
+    with pytest.raises(ConfigError) as e:
+        config.load(str(tmp_path / "absent.toml"), overrides={"dev_root": str(tmp_path / "dev")})
+    (err,) = e.value.errors
+    assert err.startswith(f'{tmp_path}/absent.toml: the built-in device: "/dev/kvm" (ate.dev/kvm): refused: ')
+    assert "(char 1:4, not in sysfs) is I/O ports (/dev/port)" in err
+
+
+def test_allow_host_access_must_be_a_boolean(tmp_path):
+    assert errors(tmp_path, device(**KVM, allow_host_access='"yes"')) == [
+        ":4: [[device]] #1 allow_host_access: must be true or false, got string"]
+
+
+def test_an_absent_node_is_not_judged_at_config_time(tmp_path):
+    cfg = config.load(write(tmp_path, f'[daemon]\ndev_root = "{tmp_path}/dev"\n' + device(**KVM)))
+    assert cfg.devices == (Device("ate.dev/kvm", "/dev/kvm"),)

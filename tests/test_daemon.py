@@ -17,11 +17,11 @@ import pytest
 
 from atedevd.api import DevicePluginStub, pb
 from atedevd.plugin import STREAMS_PER_RESOURCE
-from tests.harness import RESOURCE, current_socket, our_files, plugin_sockets, wait_until
+from tests.harness import OUR_SOCKETS, RESOURCE, current_socket, our_files, plugin_sockets, wait_until
 from tests.kubelet_standin import Kubelet
 
-# ate.dev-kvm.<instance>-<n>.sock (a new name per registration), or the older fixed ate.dev-kvm.sock
-OUR_SOCKET = re.compile(r"ate\.dev-kvm(\.[A-Za-z0-9_-]+)?\.sock")
+# ate.dev_kvm.<instance>-<n>.sock (a new name per registration), or the oldest fixed ate.dev-kvm.sock
+OUR_SOCKET = re.compile(r"ate\.dev_kvm\.[a-z0-9]+-[0-9]+\.sock|ate\.dev-kvm\.sock")
 
 
 def plugin_stub(plugin_dir):
@@ -59,7 +59,7 @@ def test_ready_before_kubelet_and_registers_when_it_appears(start_daemon, plugin
     assert "waiting for kubelet" in ready["fields"].get("STATUS", ""), ready  # no kubelet yet
     # Served before kubelet: the next socket waits in the standby directory, out of
     # reach of kubelet's wipe, and answers there.
-    standby = glob.glob(os.path.join(plugin_dir, ".atedevd", "ate.dev-kvm.*.sock"))
+    standby = glob.glob(os.path.join(plugin_dir, ".atedevd", OUR_SOCKETS))
     assert len(standby) == 1 and not plugin_sockets(plugin_dir), os.listdir(plugin_dir)
     channel = grpc.insecure_channel("unix:" + standby[0])
     assert len(allocate(DevicePluginStub(channel), ["kvm-1"]).container_responses) == 1
@@ -114,10 +114,11 @@ def _stale(path):
     return st.st_ino, st.st_ctime_ns
 
 
-@pytest.mark.parametrize("leftover", ["ate.dev-kvm.sock", "ate.dev-kvm.4f2a91c0-3.sock"])
+@pytest.mark.parametrize("leftover", ["ate.dev-kvm.sock", "ate.dev-kvm.4f2a91c0-3.sock", "ate.dev_kvm.4f2a91c0-3.sock"])
 def test_stale_socket_from_a_crashed_run_is_removed_and_a_fresh_one_used(start_daemon, kubelet, plugin_dir, leftover):
-    """A leftover socket of an earlier run, with our naming (the old fixed name, or the per-registration
-    name of a run with another instance id), is removed at start; the daemon serves on a fresh one."""
+    """A leftover socket of an earlier run, with our naming (the oldest fixed name, the per-registration
+    name of earlier versions, or ours from a run with another instance id), is removed at start; the
+    daemon serves on a fresh one."""
     path = os.path.join(plugin_dir, leftover)
     old = _stale(path)
     d = start_daemon()
@@ -243,7 +244,7 @@ def test_kubelet_restart_storm_every_restart_reregistered(daemon, kubelet, plugi
     per_restart = {r["restart"] for r in kubelet.registrations if r["resource"] == RESOURCE}
     assert per_restart == set(range(restarts + 1))
     assert kubelet.capacity(RESOURCE) == 4096
-    assert our_files(plugin_dir) == [".atedevd", "ate.dev-kvm.*.sock", "kubelet.sock", "kubelet_internal_checkpoint"]
+    assert our_files(plugin_dir) == [".atedevd", OUR_SOCKETS, "kubelet.sock", "kubelet_internal_checkpoint"]
     log = daemon.log()
     assert "Traceback" not in log
     # one line per state change, not per retry: at most a loss and a re-registration per restart

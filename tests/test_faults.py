@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from atedevd.api import DevicePluginStub, pb
-from tests.harness import RESOURCE, current_socket, our_files, plugin_sockets, wait_until
+from tests.harness import OUR_SOCKETS, RESOURCE, current_socket, our_files, plugin_sockets, wait_until
 from tests.hostile_kubelet import HostileKubelet, RawKubelet
 from tests.kubelet_standin import Kubelet
 
@@ -192,7 +192,7 @@ def test_plugin_dir_deleted_and_recreated(daemon, kubelet, plugin_dir, how):
         assert daemon.proc.poll() is None
         kubelet.start()  # re-creates the directory, then serves
         assert_recovered(kubelet, daemon, plugin_dir, registrations=n + 2)
-    assert our_files(plugin_dir) == [".atedevd", "ate.dev-kvm.*.sock", "kubelet.sock", "kubelet_internal_checkpoint"]
+    assert our_files(plugin_dir) == [".atedevd", OUR_SOCKETS, "kubelet.sock", "kubelet_internal_checkpoint"]
 
 
 def _mount(*args) -> None:
@@ -239,27 +239,22 @@ def test_plugin_dir_made_read_only(start_daemon, plugin_dir, tmp_path):
 
 
 def test_socket_path_too_long(start_daemon, tmp_path):
-    """Our socket path is 108+ bytes (kubelet's own still fits): a clear error, no crash, no restart loop."""
+    """Our socket path would be 108+ bytes (kubelet's own still fits): refused as a bad
+    configuration, naming the resource and the length, before anything is served."""
     root = tempfile.mkdtemp(prefix="atelong", dir="/tmp")
     plugin_dir = os.path.join(root, "d" * (92 - len(root) - 1))
-    assert len(plugin_dir) == 92  # kubelet.sock: 105 bytes; ate.dev-kvm.<run>-<n>.sock: 118 and more
+    assert len(plugin_dir) == 92  # kubelet.sock: 105 bytes; ate.dev_kvm.<run>-<n>.sock: 118 and more
     k = Kubelet(plugin_dir)
     k.start()
     try:
         d = start_daemon(plugin_dir=plugin_dir)
-        d.wait_ready()
-        too_long = re.compile(r"socket path is 11\d bytes; unix sockets allow at most 107")
-        assert wait_until(lambda: too_long.search(d.log()), 10), d.log()
-        for _ in range(3):
-            k.restart(0.05)  # events in the directory: retried quietly
-        time.sleep(1.0)
+        assert d.wait(10) == 78  # EX_CONFIG: the unit does not restart on it
         log = d.log()
-        assert d.proc.poll() is None, log
-        assert len(too_long.findall(log)) == 1 and "Traceback" not in log, log
-        assert "at most 107" in log
+        assert re.search(r"resource 'ate.dev/kvm': its socket path '.*' is 12\d bytes, more than the 107 a unix "
+                         r"socket allows; device_plugin_dir is too long", log), log
+        assert "Traceback" not in log
         assert k.registration_count(RESOURCE) == 0
         assert plugin_sockets(plugin_dir) == []
-        assert d.stop() == 0
     finally:
         k.close()
         shutil.rmtree(root)
@@ -334,7 +329,7 @@ def test_kubelet_132_wiping_files_restarts_with_zero_gap_bursts(start_daemon, pl
         assert_recovered(k, d, plugin_dir, registrations=restarts + 1)
         # every old stream torn down, one live stream on the newest socket, nothing stopped
         k.assert_healthy(RESOURCE, 4096)
-        assert our_files(plugin_dir) == [".atedevd", "ate.dev-kvm.*.sock", "kubelet.sock", "kubelet_internal_checkpoint"]
+        assert our_files(plugin_dir) == [".atedevd", OUR_SOCKETS, "kubelet.sock", "kubelet_internal_checkpoint"]
     finally:
         k.close()
 
@@ -347,4 +342,4 @@ def test_kubelet_crash_loop_bursts_without_waiting(daemon, kubelet, plugin_dir):
             kubelet.restart(rng.choice([0.0, 0.002]))
         assert kubelet.wait(lambda: any(r["restart"] == kubelet.restarts for r in kubelet.registrations), 15), daemon.log()[-3000:]
         assert_recovered(kubelet, daemon, plugin_dir)
-    assert our_files(plugin_dir) == [".atedevd", "ate.dev-kvm.*.sock", "kubelet.sock", "kubelet_internal_checkpoint"]
+    assert our_files(plugin_dir) == [".atedevd", OUR_SOCKETS, "kubelet.sock", "kubelet_internal_checkpoint"]

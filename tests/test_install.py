@@ -215,6 +215,7 @@ def test_deb_upgrade_restarts_reregisters_and_keeps_config(upgraded):
 def purged(upgraded):
     node, _ = upgraded
     pid = node.main_pid()
+    plant_leftover(node)
     node.run("dpkg", "--purge", "atedevd", timeout=120)
     return node, pid
 
@@ -224,7 +225,7 @@ def test_deb_purge_stops_and_removes_everything(purged):
     assert deb_version(node, "atedevd") == ""
     assert node.run("test", "-d", f"/proc/{pid}", check=False).returncode != 0, "daemon still running"
     assert node.show("atedevd", "LoadState", "ActiveState") == {"LoadState": "not-found", "ActiveState": "inactive"}
-    assert not node.run("sh", "-c", f"ls {PLUGIN_DIR} | grep '^ate\\.dev-'", check=False).stdout, "our socket left behind"
+    assert_nothing_of_ours(node.run("ls", "-A", PLUGIN_DIR).stdout)
     for path in ("/etc/atedevd", "/lib/systemd/system/atedevd.service", WANTS, "/usr/bin/atedevd",
                  "/usr/lib/python3/dist-packages/atedevd", "/var/lib/systemd/deb-systemd-helper-enabled/atedevd.service"):
         assert node.run("test", "-e", path, check=False).returncode != 0, f"{path} left behind"
@@ -261,6 +262,28 @@ def assert_start_to_registered(node, cell: str, pythonpath: str = "") -> float:
     print(f"\n{cell}: unit start -> registered {took * 1000:.0f} ms")
     assert took <= 2.0, f"{cell}: unit start -> registered took {took:.2f} s"
     return took
+
+
+# What a daemon that was killed leaves in its standby directory: a socket nobody listens on.
+LEFTOVER = f"{PLUGIN_DIR}/.atedevd/ate.dev_kvm.zzzzzz-9.sock"
+PLANT = ("import os, socket, sys; os.makedirs(os.path.dirname(sys.argv[1]), exist_ok=True); "
+         "os.chdir(os.path.dirname(sys.argv[1])); socket.socket(socket.AF_UNIX).bind(os.path.basename(sys.argv[1]))")
+KUBELETS = {"kubelet.sock", "kubelet_internal_checkpoint", ".standin"}  # the stand-in's own entries
+
+
+def plant_leftover(node_or_root) -> None:
+    """A dead socket in the standby directory, as a killed daemon leaves it: the package's removal
+    script, not the daemon's stop, must take it and the directory away."""
+    if isinstance(node_or_root, Path):  # bound relative to its directory: the rootfs path is long
+        subprocess.run(["python3", "-c", PLANT, str(node_or_root / LEFTOVER.lstrip("/"))], check=True)
+    else:
+        node_or_root.run("python3", "-c", PLANT, LEFTOVER)
+
+
+def assert_nothing_of_ours(ls_a: str) -> None:
+    """`ls -A` of kubelet's directory after removal: only kubelet's (the stand-in's) entries."""
+    left = set(ls_a.split()) - KUBELETS
+    assert not left, f"left behind in {PLUGIN_DIR}: {sorted(left)}"
 
 
 def gone(node_or_root, paths):
@@ -361,12 +384,14 @@ def test_rpm_installed_unit_starts_at_boot_and_registers_on_python_3_13(rpm_root
 def test_rpm_erase_removes_it_cleanly(rpm_root):
     c, _ = rpm_root
     root = c.root
+    plant_leftover(root)
     p = rpm_q(root, "-e", "atedevd")
     assert p.returncode == 0, p.stdout + p.stderr
     assert rpm_q(root, "-q", "atedevd").returncode != 0
     left = gone(root, ["/usr/lib/systemd/system/atedevd.service", WANTS, "/etc/atedevd/config.toml", "/usr/bin/atedevd",
                        "/usr/lib/atedevd", "/usr/share/man/man8/atedevd.8.gz", "/usr/share/licenses/atedevd"])
     assert not left, f"left behind: {left}"
+    assert_nothing_of_ours(" ".join(p.name for p in (root / PLUGIN_DIR.lstrip("/")).iterdir()))
 
 
 # --- self-contained packages on nodes with python3 and systemd only ----------------------------
@@ -428,9 +453,11 @@ def test_bundled_deb_lifecycle(bundled_node, packages):
     wait_registered(node, regs + 1)
     assert "# local edit" in node.run("cat", CONFIG).stdout
 
-    # purge: nothing of ours left (the compiled bytecode included)
+    # purge: nothing of ours left (the compiled bytecode included, and in kubelet's directory)
     pid = node.main_pid()
+    plant_leftover(node)
     node.run("dpkg", "--purge", "atedevd-bundled", timeout=120)
+    assert_nothing_of_ours(node.run("ls", "-A", PLUGIN_DIR).stdout)
     assert node.run("test", "-d", f"/proc/{pid}", check=False).returncode != 0, "daemon still running"
     left = gone(node, ["/usr/lib/atedevd", "/etc/atedevd", "/usr/bin/atedevd", "/lib/systemd/system/atedevd.service",
                        "/usr/lib/systemd/system/atedevd.service", WANTS, "/usr/share/doc/atedevd",
@@ -473,8 +500,10 @@ def test_bundled_rpm_into_image_boots_registers_and_erases(packages, suite):
         assert_journal_fields(c)
         assert_start_to_registered(c, f"bundled rpm on {suite}", BUNDLED_SITE)
         c.shutdown()
+        plant_leftover(root)
         p = rpm_q(root, "-e", "atedevd-bundled")
         assert p.returncode == 0, p.stdout + p.stderr
+        assert_nothing_of_ours(" ".join(p.name for p in (root / PLUGIN_DIR.lstrip("/")).iterdir()))
         left = gone(root, ["/usr/lib/atedevd", "/etc/atedevd/config.toml", "/usr/bin/atedevd",
                            "/usr/lib/systemd/system/atedevd.service", WANTS, "/usr/share/doc/atedevd"])
         assert not left, f"left behind: {left}"

@@ -147,6 +147,7 @@ def test_deb_maintainer_scripts_enable_start_restart_and_stop_the_unit(deb):
     assert "_dh_action=restart" in script["postinst"] and "_dh_action=start" in script["postinst"]
     assert "deb-systemd-invoke stop 'atedevd.service'" in script["prerm"]
     assert "deb-systemd-helper purge 'atedevd.service'" in script["postrm"]
+    assert "rmdir \"$standby\"" in script["postrm"]  # a killed daemon's standby directory goes too
 
 
 def test_deb_entry_point_runs_on_debian_python_with_the_shipped_config(deb):
