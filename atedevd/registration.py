@@ -22,6 +22,7 @@ The rules, each from a way kubelet really behaves (docs/design.md, "Registration
   devices as allocatable. Anything less is a lost registration: register again.
 """
 
+import collections
 import enum
 import logging
 import os
@@ -34,7 +35,7 @@ from atedevd import sockets
 from atedevd.config import Device
 from atedevd.devices import Snapshot
 from atedevd.kubelet import AllocatableCall, KubeletView, RegisterCall
-from atedevd.plugin import STREAM_ENDED, STREAM_OPENED, STREAM_REFUSED, STREAMS_PER_RESOURCE, PluginServer, Workers
+from atedevd.plugin import STREAM_ENDED, STREAM_OPENED, STREAM_REFUSED, STREAMS_PER_RESOURCE, AllocateCounts, PluginServer, Workers
 from atedevd.systemd import event
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,10 @@ class Registration:
         self.device = device
         self.snapshot = snapshot
         self.ctx = ctx
-        self.state = State.UNSERVED
+        self.changed_at = time.monotonic()  # when `state` last changed (metrics)
+        self._state = State.UNSERVED
+        self.reasons: "collections.Counter[str]" = collections.Counter()  # why each Register was sent (metrics)
+        self.allocations = AllocateCounts()  # shared by this resource's servers (metrics)
         self.current: Optional[PluginServer] = None  # named in the last Register (or about to be)
         self.standby: Optional[PluginServer] = None  # serving in the standby directory
         self.retiring: List[PluginServer] = []  # old sockets kubelet may still hold
@@ -127,6 +131,7 @@ class Registration:
         self._stream_open = False
         self._handover_until = 0.0
         self._settle_at: Optional[float] = None
+        self._handover_why = ""
         self._check: Optional[AllocatableCall] = None
         self._mismatches = 0
         self._check_reregistrations = 0  # in a row, without kubelet's count matching since
@@ -147,6 +152,16 @@ class Registration:
     @property
     def name(self) -> str:
         return self.device.resource
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @state.setter
+    def state(self, value: State) -> None:
+        if value is not self._state:
+            self._state = value
+            self.changed_at = time.monotonic()
 
     @property
     def deadline(self) -> Optional[float]:
@@ -382,7 +397,7 @@ class Registration:
             self._timers["handover"] = self._settle_at
             return
         log.debug("%s: handover done after %.0f ms", self.name, (now - self._handover_until + HANDOVER_LIMIT_S) * 1000)
-        self._register(now)
+        self._register(now, self._handover_why)
 
     def _timer_verify(self, now: float) -> None:
         if self.state is not State.VERIFYING:
@@ -450,11 +465,12 @@ class Registration:
             self.state = State.HANDOVER
             self._handover_until = now + HANDOVER_LIMIT_S
             self._settle_at = None
+            self._handover_why = why
             self._timers["handover"] = now + POLL_S
             return
-        self._register(now, urgent=not wait)
+        self._register(now, why, urgent=not wait)
 
-    def _register(self, now: float, urgent: bool = False) -> None:
+    def _register(self, now: float, why: str, urgent: bool = False) -> None:
         """Put a fresh socket in place (so it cannot have been wiped) and Register it.
 
         The standby is kept for `urgent` Registers: a kubelet that just started admits
@@ -466,6 +482,7 @@ class Registration:
         level = INFO if self.registrations == 0 and self._n_registers == 0 else DEBUG
         event(level, "serving", f"{self.name}: serving {self.device.count} units of {self.device.path} on {path}", resource=self.name, device=self.device.path, socket=path)
         self._n_registers += 1
+        self.reasons[why] += 1
         self.state = State.REGISTERING
         self.call = RegisterCall(
             self.ctx.plugin_dir,
@@ -519,7 +536,7 @@ class Registration:
         return sockets.socket_name(self.name, self.ctx.run_id, self._n)
 
     def _new_server(self, path: str) -> PluginServer:
-        server = PluginServer(self.device, path, self.ctx.workers, self._slots, self._post_stream_event)
+        server = PluginServer(self.device, path, self.ctx.workers, self._slots, self._post_stream_event, self.allocations)
         server.publish(self.snapshot)
         server.start()
         return server
