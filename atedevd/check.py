@@ -23,7 +23,7 @@ import stat
 import subprocess
 from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
-from atedevd import config
+from atedevd import config, metrics
 from atedevd.config import Config, ConfigError, Device
 
 EX_READY = 0
@@ -251,7 +251,9 @@ def drop_in(plugin_dir: str) -> str:
             "ExecStartPre=\n"
             f"ExecStartPre=+/bin/mkdir -p -m 0750 {plugin_dir}\n"
             "ReadWritePaths=\n"
-            f"ReadWritePaths=-{plugin_dir}\n")
+            f"ReadWritePaths=-{plugin_dir}\n"
+            "# The unit's other exception, kept: node_exporter's textfile directory (atedevd.prom).\n"
+            f"ReadWritePaths=-{metrics.DEFAULT_DIR}\n")
 
 
 def kubelet_counts(socket_path: str, timeout: float = 2.0) -> Dict[str, int]:
