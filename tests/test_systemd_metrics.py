@@ -1,0 +1,80 @@
+"""Metrics under a real systemd: atedevd.service in its sandbox writes atedevd.prom into
+node_exporter's directory (the unit's ReadWritePaths= exception), and Debian's
+node_exporter on the host, reading that directory of the container's root, serves it.
+
+A booted Debian bookworm container (tests/container.py), as in test_systemd.py.
+"""
+
+import os
+import stat
+
+import pytest
+
+from tests.container import (
+    FULL,
+    RESOURCE,
+    STANDIN_UNIT,
+    Container,
+    cached_rootfs,
+    diagnostics,
+    fake_kvm,
+    install_project,
+    standin_state,
+    start_standin,
+    wait_registered,
+    wait_until,
+)
+from tests.metrics_scrape import NodeExporter, value
+
+TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"  # what prometheus-node-exporter's package creates
+
+
+@pytest.fixture(scope="module")
+def node():
+    with Container(cached_rootfs(FULL)) as n:
+        install_project(n)
+        fake_kvm(n)
+        n.run("mkdir", "-p", "-m", "0755", TEXTFILE_DIR)
+        start_standin(n)
+        yield n
+
+
+@pytest.fixture
+def exporter(node, tmp_path):
+    ne = NodeExporter(str(node.path(TEXTFILE_DIR)), str(tmp_path / "node_exporter.log"))
+    yield ne
+    ne.close()
+
+
+def test_the_sandboxed_service_writes_metrics_node_exporter_serves(node, exporter):
+    node.systemctl("start", "atedevd")
+    wait_registered(node, 1)
+    r = dict(resource=RESOURCE)
+
+    def registered(n):
+        return lambda s: value(s, "atedevd_resource_registered", **r) == 1 \
+            and value(s, "atedevd_resource_registrations_total", **r) == n \
+            and value(s, "atedevd_resource_kubelet_allocatable_units", **r) == 4096
+
+    s, text = exporter.wait_for(registered(1))
+    assert registered(1)(s), text + diagnostics(node)
+    assert value(s, "node_textfile_scrape_error") == 0, text
+    assert value(s, "atedevd_resource_units_healthy", **r) == 4096, text
+    # By default, with no config: the directory exists, so it is used; the sandbox lets it be written.
+    st = os.stat(node.path(f"{TEXTFILE_DIR}/atedevd.prom"))
+    assert stat.S_IMODE(st.st_mode) == 0o644 and st.st_uid == 0
+    assert sorted(os.listdir(node.path(TEXTFILE_DIR))) == ["atedevd.prom"]
+    journal = node.journal("-u", "atedevd", "-p", "warning")
+    assert "cannot write metrics" not in journal, journal
+
+    restarts = standin_state(node)["restarts"]
+    node.systemctl("kill", "--signal=SIGHUP", STANDIN_UNIT)  # a kubelet restart: sockets wiped, kubelet.sock anew
+    wait_until(lambda: standin_state(node)["restarts"] > restarts, 20, "stand-in restart")
+    wait_registered(node, 2)
+    s, text = exporter.wait_for(registered(2))
+    assert registered(2)(s), text + diagnostics(node)
+    assert value(s, "atedevd_resource_register_calls_total", reason="kubelet-restarted", **r) == 1, text
+
+    node.systemctl("stop", "atedevd")
+    s, text = exporter.wait_for(lambda s: value(s, "atedevd_resource_state", state="stopped", **r) == 1)
+    assert value(s, "atedevd_resource_registered", **r) == 0, text
