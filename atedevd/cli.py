@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     for s in (run, check):
         s.add_argument("--device-plugin-dir", metavar="DIR", help="kubelet's device plugin directory")
         s.add_argument("--dev-root", metavar="DIR", help="where the node's device nodes are looked up")
+    check.add_argument("--json", action="store_true", help="the findings as a JSON document (schema atedevd-check/v1)")
     run.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning or error")
     run.add_argument("--metrics-dir", metavar="DIR",
                      help="node_exporter's textfile directory for atedevd.prom (default /var/lib/prometheus/node-exporter "
@@ -62,12 +63,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             setup_logging("info")
             logging.getLogger("atedevd").error("configuration error, not starting:\n%s", e)
         else:
+            if getattr(args, "json", False):
+                from atedevd import check
+
+                sys.stdout.write(check.config_error_json(e))
             print(f"atedevd: configuration error:\n{e}", file=sys.stderr)
         return config.EX_CONFIG
     if args.command == "check":
         from atedevd import check
 
-        return check.run(cfg, sys.stdout)
+        return check.run(cfg, sys.stdout, as_json=args.json)
     return _run(args, cfg)
 
 
