@@ -137,7 +137,7 @@ class Daemon:
         event(INFO, "stopping", "stopping: removing our sockets")
         for r in self.resources.values():
             r.reg.close()
-        self._write_metrics()  # the last word: every resource stopped, not registered
+        self._write_metrics(force=True)  # the last word: every resource stopped, not registered
         self._workers.shutdown(wait=False)
         self._watcher.close()
 
@@ -321,14 +321,14 @@ class Daemon:
 
     # --- reporting ------------------------------------------------------------------
 
-    def _write_metrics(self) -> None:
-        """atedevd.prom, when it changed or is due (cheap otherwise: a few dozen lines rendered)."""
-        if not self.metrics.enabled:
-            return
-        text = metrics.render(self._info, (r.reg for r in self.resources.values()), State,
+    def _write_metrics(self, force: bool = False) -> None:
+        """atedevd.prom, when it changed or is due (rendered at most once a second)."""
+        self.metrics.update(self._render_metrics, time.monotonic(), force=force)
+
+    def _render_metrics(self) -> str:
+        return metrics.render(self._info, (r.reg for r in self.resources.values()), State,
                               polling=self._watcher.poll_deadline() is not None,
                               reload_ok=self.reload_error is None, wall_offset=self._wall_offset)
-        self.metrics.update(text, time.monotonic())
 
     def _summary(self) -> str:
         return ", ".join(f"{r.name} ({r.device.path})" for r in self.resources.values()) or "no devices"

@@ -17,14 +17,15 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
 # Debian's and Ubuntu's prometheus-node-exporter read this directory (--collector.textfile.directory).
 DEFAULT_DIR = "/var/lib/prometheus/node-exporter"
 FILE_NAME = "atedevd.prom"
-REFRESH_S = 30.0
+REFRESH_S = 30.0  # at least this often, so that the file's age shows a daemon that stopped
+MIN_INTERVAL_S = 1.0  # at most this often
 
 # Why a Register was sent, as a label: a short, bounded set. Any other reason is the
 # error of the attempt before (a retry).
@@ -146,15 +147,23 @@ def render(info: DaemonInfo, registrations: Iterable, states: Iterable, polling:
 class TextfileWriter:
     """Writes the rendered text to DIR/atedevd.prom when it changed or REFRESH_S passed.
 
+    The loop calls `update` after every event; the text is rendered at most every
+    MIN_INTERVAL_S (32 resources take most of a millisecond to render, and a kubelet
+    restart wakes the loop many times in a few milliseconds: the first change is
+    written at once, the ones that follow within the interval together at its end).
+
     Never raises: a failed write is logged once (and once more when writing works
     again), and tried again at the next refresh."""
 
-    def __init__(self, directory: Optional[str], refresh: float = REFRESH_S):
+    def __init__(self, directory: Optional[str], refresh: float = REFRESH_S, min_interval: float = MIN_INTERVAL_S):
         self.directory = directory
         self.path = os.path.join(directory, FILE_NAME) if directory else None
         self.refresh = refresh
+        self.min_interval = min_interval
         self._written: Optional[str] = None
-        self._written_at = 0.0
+        self._written_at = -refresh
+        self._rendered_at = -min_interval
+        self._pending = False
         self._failing = False
 
     @property
@@ -162,11 +171,25 @@ class TextfileWriter:
         return self.path is not None
 
     def deadline(self) -> Optional[float]:
-        """When the loop must wake to refresh the file (None: metrics are off)."""
-        return self._written_at + self.refresh if self.enabled else None
+        """When the loop must wake to render again (None: metrics are off)."""
+        if not self.enabled:
+            return None
+        if self._pending:
+            return self._rendered_at + self.min_interval
+        return self._written_at + self.refresh
 
-    def update(self, text: str, now: float) -> None:
-        if not self.enabled or (text == self._written and now < self._written_at + self.refresh):
+    def update(self, render: Callable[[], str], now: float, force: bool = False) -> None:
+        """Something may have changed: write `render()` if it did, or if a refresh is due.
+        `force`: now, whatever the interval (the last word before exiting)."""
+        if not self.enabled:
+            return
+        if not force and now < self._rendered_at + self.min_interval:
+            self._pending = True
+            return
+        self._pending = False
+        self._rendered_at = now
+        text = render()
+        if text == self._written and now < self._written_at + self.refresh:
             return
         self._written_at = now  # failed or not: the next try is at the refresh
         try:

@@ -112,11 +112,15 @@ def test_the_same_state_renders_the_same_text():
 # --- the writer -----------------------------------------------------------------------------------
 
 
+def text(value):
+    return lambda: value
+
+
 def test_written_atomically_0644_whatever_the_umask(tmp_path):
     old = os.umask(0o077)  # the daemon's
     try:
         w = metrics.TextfileWriter(str(tmp_path))
-        w.update("a 1\n", now=0.0)
+        w.update(text("a 1\n"), now=0.0)
     finally:
         os.umask(old)
     assert os.listdir(tmp_path) == ["atedevd.prom"]  # no temporary left behind
@@ -125,19 +129,45 @@ def test_written_atomically_0644_whatever_the_umask(tmp_path):
 
 
 def test_rewritten_when_changed_and_at_least_every_refresh(tmp_path):
-    w = metrics.TextfileWriter(str(tmp_path), refresh=30.0)
+    w = metrics.TextfileWriter(str(tmp_path), refresh=30.0, min_interval=1.0)
     path = tmp_path / "atedevd.prom"
-    w.update("a 1\n", now=0.0)
+    w.update(text("a 1\n"), now=0.0)
     inode = os.stat(path).st_ino
-    w.update("a 1\n", now=10.0)
+    w.update(text("a 1\n"), now=10.0)
     assert os.stat(path).st_ino == inode  # unchanged, not due: not rewritten
     assert w.deadline() == 30.0
-    w.update("a 2\n", now=11.0)
+    w.update(text("a 2\n"), now=11.0)
     assert path.read_text() == "a 2\n"
     inode = os.stat(path).st_ino
-    w.update("a 2\n", now=41.5)
+    w.update(text("a 2\n"), now=41.5)
     assert os.stat(path).st_ino != inode  # due: rewritten (node_textfile_mtime_seconds moves on)
     assert w.deadline() == 71.5
+
+
+def test_changes_in_quick_succession_are_rendered_once_at_the_end_of_the_interval(tmp_path):
+    """A kubelet restart wakes the loop many times in a few milliseconds: the first change is
+    written at once, the rest together a second later, not one render per wake-up."""
+    w = metrics.TextfileWriter(str(tmp_path), refresh=30.0, min_interval=1.0)
+    path = tmp_path / "atedevd.prom"
+    renders = []
+
+    def state(value):
+        def render():
+            renders.append(value)
+            return value
+        return render
+
+    w.update(state("waiting\n"), now=100.0)
+    assert path.read_text() == "waiting\n"
+    for n, value in enumerate(("registering\n", "verifying\n", "registered\n")):
+        w.update(state(value), now=100.01 + n * 0.01)
+    assert renders == ["waiting\n"] and path.read_text() == "waiting\n"
+    assert w.deadline() == 101.0  # the loop wakes for it
+    w.update(state("registered\n"), now=101.0)
+    assert renders == ["waiting\n", "registered\n"] and path.read_text() == "registered\n"
+    assert w.deadline() == 131.0
+    w.update(state("stopped\n"), now=101.2, force=True)  # the last word before exiting
+    assert path.read_text() == "stopped\n"
 
 
 def test_a_write_error_is_logged_once_and_its_end_once(tmp_path, caplog):
@@ -145,18 +175,18 @@ def test_a_write_error_is_logged_once_and_its_end_once(tmp_path, caplog):
     w = metrics.TextfileWriter(str(target), refresh=30.0)
     with caplog.at_level(logging.INFO, logger="atedevd"):
         for n in range(4):
-            w.update(f"a {n}\n", now=n * 31.0)  # never raises
+            w.update(text(f"a {n}\n"), now=n * 31.0)  # never raises
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "cannot write metrics" in warnings[0].getMessage(), caplog.text
         target.mkdir()
-        w.update("a 9\n", now=200.0)
+        w.update(text("a 9\n"), now=200.0)
     assert (target / "atedevd.prom").read_text() == "a 9\n"
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [f"metrics written to {target}/atedevd.prom again"]
 
 
 def test_off_writes_nothing_and_sets_no_deadline(tmp_path):
     w = metrics.TextfileWriter(None)
-    w.update("a 1\n", now=0.0)
+    w.update(text("a 1\n"), now=0.0)
     assert not w.enabled and w.deadline() is None
 
 
