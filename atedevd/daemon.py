@@ -85,7 +85,7 @@ class Daemon:
         self.kubelet.refresh(created=False, events_lost=True)
         self._apply(self.cfg, first=True)
         self._info = metrics.DaemonInfo.current()
-        self._wall_offset = time.time() - time.monotonic()  # once: an unchanged state renders the same text
+        self._wall_offset = metrics.WallOffset()
         self.notifier.ready(self._status())
         self._write_metrics()
         event(INFO, "started", f"atedevd serving {self._summary()} in {self.cfg.device_plugin_dir}")
@@ -328,7 +328,7 @@ class Daemon:
     def _render_metrics(self) -> str:
         return metrics.render(self._info, (r.reg for r in self.resources.values()), State,
                               polling=self._watcher.poll_deadline() is not None,
-                              reload_ok=self.reload_error is None, wall_offset=self._wall_offset)
+                              reload_ok=self.reload_error is None, wall_offset=self._wall_offset.current())
 
     def _summary(self) -> str:
         return ", ".join(f"{r.name} ({r.device.path})" for r in self.resources.values()) or "no devices"

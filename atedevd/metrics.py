@@ -63,14 +63,31 @@ class DaemonInfo:
     grpcio: str
     protobuf: str
     python: str
-    started: float  # wall clock, seconds since the epoch
+    started: float  # monotonic clock (rendered with the wall clock offset, as the state changes are)
 
     @classmethod
     def current(cls) -> "DaemonInfo":
         from atedevd.launch import stack_versions
 
         v = stack_versions()
-        return cls(v["version"], v["flavour"], v["grpcio"], v["protobuf"], v["python"], time.time())
+        return cls(v["version"], v["flavour"], v["grpcio"], v["protobuf"], v["python"], time.monotonic())
+
+
+class WallOffset:
+    """Wall clock minus monotonic clock, for timestamps of monotonic events: taken once and
+    kept (a fresh one each render would change the text every time), followed only when
+    the wall clock is stepped by more than STEP_S (NTP setting the clock after boot)."""
+
+    STEP_S = 1.0
+
+    def __init__(self) -> None:
+        self.value = time.time() - time.monotonic()
+
+    def current(self) -> float:
+        now = time.time() - time.monotonic()
+        if abs(now - self.value) > self.STEP_S:
+            self.value = now
+        return self.value
 
 
 class _Family:
@@ -92,8 +109,8 @@ class _Family:
 def render(info: DaemonInfo, registrations: Iterable, states: Iterable, polling: bool,
            reload_ok: bool, wall_offset: float) -> str:
     """The whole file. `registrations`: each resource's Registration; `states`: every
-    registration state (an enum); `wall_offset`: wall clock minus monotonic clock,
-    taken once, so that an unchanged state renders the same text."""
+    registration state (an enum); `wall_offset`: wall clock minus monotonic clock (see
+    `WallOffset`), so that an unchanged state renders the same text."""
     f = {}
 
     def family(name: str, kind: str, help_text: str) -> _Family:
@@ -102,7 +119,7 @@ def render(info: DaemonInfo, registrations: Iterable, states: Iterable, polling:
 
     build = family("atedevd_build_info", "gauge", "atedevd's version, package flavour and the grpcio/protobuf/Python it runs on (always 1).")
     build.add(1, version=info.version, flavour=info.flavour, grpcio=info.grpcio, protobuf=info.protobuf, python=info.python)
-    family("atedevd_start_time_seconds", "gauge", "When this atedevd process started, in seconds since the epoch.").add(round(info.started, 3))
+    family("atedevd_start_time_seconds", "gauge", "When this atedevd process started, in seconds since the epoch.").add(round(info.started + wall_offset, 3))
     watch = family("atedevd_watch_mode", "gauge", "How atedevd watches kubelet's and the devices' directories: 1 for the mode in use (polling: inotify was refused for at least one directory).")
     watch.add(0 if polling else 1, mode="inotify")
     watch.add(1 if polling else 0, mode="polling")

@@ -22,7 +22,7 @@ from tests.harness import RESOURCE
 from tests.metrics_scrape import NodeExporter, parse, series, value
 
 NAME = re.compile(r"atedevd_[a-z0-9_]+\Z")
-INFO = metrics.DaemonInfo("0.1.0", "source", "1.51.1", "4.21.12", "3.11.2", 1700000000.5)
+INFO = metrics.DaemonInfo("0.1.0", "source", "1.51.1", "4.21.12", "3.11.2", 0.5)  # started at monotonic 0.5
 
 
 def fake_registration(state=State.REGISTERED, kubelet_count=4096, healthy=True, reasons=None, name=RESOURCE):
@@ -107,6 +107,17 @@ def test_the_same_state_renders_the_same_text():
     """Else the file would be rewritten on every pass of the loop."""
     reg = fake_registration()
     assert rendered(reg)[0] == rendered(reg)[0]
+    offset = metrics.WallOffset()
+    assert offset.current() == offset.current()  # not taken afresh: microseconds apart would differ
+
+
+def test_the_wall_clock_offset_follows_a_step_only(monkeypatch):
+    offset = metrics.WallOffset()
+    first = offset.value
+    monkeypatch.setattr(metrics.time, "time", lambda real=metrics.time.time: real() + 0.3)
+    assert offset.current() == first  # slewing, or noise: kept
+    monkeypatch.setattr(metrics.time, "time", lambda real=metrics.time.time: real() + 3600)
+    assert abs(offset.current() - (first + 3600)) < 1  # stepped (NTP after boot): followed
 
 
 # --- the writer -----------------------------------------------------------------------------------
