@@ -1,10 +1,12 @@
-"""Metrics under a real systemd: atedevd.service in its sandbox writes atedevd.prom into
-node_exporter's directory (the unit's ReadWritePaths= exception), and Debian's
-node_exporter on the host, reading that directory of the container's root, serves it.
+"""What a fleet sees of a node, under a real systemd: atedevd.service in its sandbox writes
+atedevd.prom into node_exporter's directory (the unit's ReadWritePaths= exception), and
+Debian's node_exporter on the host, reading that directory of the container's root, serves
+it; `atedevd check --json` on the node.
 
 A booted Debian bookworm container (tests/container.py), as in test_systemd.py.
 """
 
+import json
 import os
 import stat
 
@@ -78,3 +80,24 @@ def test_the_sandboxed_service_writes_metrics_node_exporter_serves(node, exporte
     node.systemctl("stop", "atedevd")
     s, text = exporter.wait_for(lambda s: value(s, "atedevd_resource_state", state="stopped", **r) == 1)
     assert value(s, "atedevd_resource_registered", **r) == 0, text
+
+
+def test_check_json_on_the_node_and_the_char_link_fix(node):
+    """The container's /dev/kvm is made with mknod, not by udev: no /dev/char/10:232."""
+    node.systemctl("start", "atedevd")
+    wait_registered(node, 1)
+    node.run("rm", "-f", "/dev/char/10:232")
+    p = node.run("atedevd", "check", "--json", check=False)
+    doc = json.loads(p.stdout)
+    assert p.returncode == doc["exit_code"] == 0 and doc["ready"] is True, p.stdout
+    assert doc["config"] is None and doc["devices"][0]["device_number"] == "10:232"
+    by = {f["check"]: f for f in doc["findings"]}
+    assert by["sandbox"]["status"] == "ok" and "ReadWritePaths=" in by["sandbox"]["message"], by["sandbox"]
+    assert by["kubelet-count"] == {"check": "kubelet-count", "subject": RESOURCE, "status": "ok",
+                                   "message": "kubelet counts 4096 allocatable, as we advertise", "fix": None}
+    link = by["char-link"]
+    assert link["status"] == "warning" and link["message"] == "/dev/char/10:232 is missing", link
+    node.sh(link["fix"].split(" or: ", 1)[1])  # the fix as printed: the link
+    doc = json.loads(node.run("atedevd", "check", "--json").stdout)
+    assert {f["check"]: f for f in doc["findings"]}["char-link"]["status"] == "ok", doc
+    node.systemctl("stop", "atedevd")
