@@ -16,6 +16,7 @@ from tests.container import (
     FULL,
     RESOURCE,
     STANDIN_UNIT,
+    TEST_LIB,
     Container,
     cached_rootfs,
     diagnostics,
@@ -101,3 +102,57 @@ def test_check_json_on_the_node_and_the_char_link_fix(node):
     doc = json.loads(node.run("atedevd", "check", "--json").stdout)
     assert {f["check"]: f for f in doc["findings"]}["char-link"]["status"] == "ok", doc
     node.systemctl("stop", "atedevd")
+
+
+# The real CLI, with the loop made to raise when a file named crash-now appears in the plugin
+# directory (the daemon has no test hook; tests/test_crash.py does the same without systemd).
+CRASHY = """
+import sys
+import atedevd.daemon
+
+real = atedevd.daemon.Daemon._on_fs_events
+
+def on_fs_events(self, events):
+    if any(e.name == "crash-now" for e in events):
+        raise RuntimeError("injected by the test")
+    return real(self, events)
+
+atedevd.daemon.Daemon._on_fs_events = on_fs_events
+from atedevd import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+CRASHY_DROPIN = "/etc/systemd/system/atedevd.service.d/crashy.conf"
+
+
+def test_a_crash_shows_its_traceback_at_priority_err(node):
+    """`journalctl -p err -u atedevd` (and so `systemctl status`) shows the traceback."""
+    node.write(f"{TEST_LIB}/crashy.py", CRASHY)
+    node.write(CRASHY_DROPIN, f"[Service]\nExecStart=\nExecStart=/usr/bin/python3 {TEST_LIB}/crashy.py run\n")
+    node.daemon_reload()
+    try:
+        node.systemctl("start", "atedevd")
+        wait_registered(node, 1)
+        pid = node.main_pid()
+        node.run("touch", "/var/lib/kubelet/device-plugins/crash-now")
+        wait_until(lambda: node.main_pid() not in (0, pid), 30, "the crash and the restart", lambda: diagnostics(node))
+
+        def err_lines():  # the only crash in this container; no --after-cursor: journalctl placed the
+            # native entry before a cursor taken earlier, in some runs here
+            return node.journal("-u", "atedevd", "-p", "err", "-o", "cat").splitlines()
+
+        # Two ways in, stored in the order journald reads them: the error line (native
+        # protocol, with its fields) and the traceback (stderr, each line with a <3> prefix).
+        crashed = "crashed, exiting with status 1: RuntimeError: injected by the test"
+        wait_until(lambda: {crashed, "RuntimeError: injected by the test"} <= set(err_lines()), 15,
+                   "the error line and the traceback at priority err", lambda: repr(err_lines()))
+        fields = node.journal("-u", "atedevd", "ATEDEVD_EVENT=crashed", "-o", "json")
+        assert "RuntimeError: injected by the test" in json.loads(fields.splitlines()[0])["ATEDEVD_TRACEBACK"], fields
+        lines = err_lines()
+        trace = lines[lines.index("Traceback (most recent call last):"):]
+        assert any("in on_fs_events" in line for line in trace), lines
+        assert trace.index("RuntimeError: injected by the test") > 0, lines
+    finally:
+        node.systemctl("stop", "atedevd", check=False)  # first: deleting crash-now would crash it again
+        node.run("rm", "-f", CRASHY_DROPIN, "/var/lib/kubelet/device-plugins/crash-now")
+        node.daemon_reload()
+        node.systemctl("reset-failed", "atedevd", check=False)
