@@ -2,7 +2,7 @@
 PYTHON ?= /usr/bin/python3
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: deps demo test test-latest bench bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
+.PHONY: deps demo check test test-latest bench bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
 
 # Debian 12's own packages: the runtime floor we test, and the tools the tests drive.
 deps:
@@ -10,6 +10,16 @@ deps:
 
 demo: deps
 	$(PYTHON) -m tests.demo
+
+# The fast layer, for contributors: under a minute, no root, no container, no debootstrap.
+# Unit tests and the daemon as a process against the kubelet stand-in. Left to `make test`:
+# the registration matrix and the fault injection (minutes), the fuzzing, user namespaces,
+# the packages, the real-systemd containers, and the few tests marked `slow`.
+FAST_TESTS := tests/test_api.py tests/test_check.py tests/test_check_json.py tests/test_config.py \
+	tests/test_crash.py tests/test_daemon.py tests/test_docs.py tests/test_health.py tests/test_journal.py \
+	tests/test_metrics.py tests/test_policy.py tests/test_simulation.py tests/test_unit_static.py tests/test_watch.py
+check:
+	SIM_ROUNDS=500 $(PYTHON) -m pytest -q -p no:cacheprovider -m "not slow" $(FAST_TESTS)
 
 test: deps
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests

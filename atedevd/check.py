@@ -15,15 +15,17 @@ nothing.
 """
 
 import grp
+import json
 import os
 import pwd
 import shutil
 import socket
 import stat
 import subprocess
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
-from atedevd import config
+from atedevd import config, metrics
 from atedevd.config import Config, ConfigError, Device
 
 EX_READY = 0
@@ -34,52 +36,176 @@ DEFAULT_PLUGIN_DIR = Config().device_plugin_dir
 DROP_IN = "/etc/systemd/system/atedevd.service.d/kubelet-root.conf"
 
 
-def run(cfg: Config, out: TextIO, unit: Callable[[], Optional[Dict[str, str]]] = None) -> int:
-    """Print the node's readiness table to `out`; return EX_READY or EX_NOT_READY.
+SCHEMA = "atedevd-check/v1"  # `check --json`: bumped only on a change that breaks readers (docs/check-json.md)
+OK, PROBLEM, WARNING = "ok", "problem", "warning"  # a finding's status; only problems change the exit status
+
+
+@dataclass
+class Finding:
+    """One thing `check` looked at: its verdict in words, and the fix when there is one."""
+
+    check: str  # what was checked: device, char-link, non-root, plugin-dir, sandbox, kubelet-socket, kubelet-count
+    subject: str  # the resource, or the path checked
+    status: str  # OK, PROBLEM (NOT READY) or WARNING (said, exit status unchanged)
+    message: str
+    fix: Optional[str] = None
+
+
+@dataclass
+class Report:
+    """Everything `check` found, before it is printed as a table or as JSON."""
+
+    config: Optional[str]
+    dev_root: str
+    plugin_dir: str
+    devices: List[dict] = field(default_factory=list)
+    findings: List[Finding] = field(default_factory=list)
+    kubelet_view: dict = field(default_factory=dict)
+    drop_in: Optional[str] = None
+
+    @property
+    def problems(self) -> List[Finding]:
+        return [f for f in self.findings if f.status == PROBLEM]
+
+    @property
+    def exit_code(self) -> int:
+        return EX_NOT_READY if self.problems else EX_READY
+
+    def add(self, check: str, subject: str, status: str, message: str, fix: Optional[str] = None) -> Finding:
+        f = Finding(check, subject, status, message, fix)
+        self.findings.append(f)
+        return f
+
+
+def run(cfg: Config, out: TextIO, unit: Callable[[], Optional[Dict[str, str]]] = None, as_json: bool = False) -> int:
+    """Print the node's readiness (a table, or JSON) to `out`; return EX_READY or EX_NOT_READY.
 
     `unit` returns atedevd.service's sandbox properties (None: not loaded); by
     default they are asked of systemd.
     """
-    unit = unit or unit_properties
-    problems: List[str] = []
-    source = cfg.source or "built-in defaults"
-    out.write(f"config: {source}\ndev root: {cfg.dev_root}\n\n")
+    report = collect(cfg, unit or unit_properties)
+    if as_json:
+        out.write(to_json(report))
+    else:
+        render_text(report, out)
+    return report.exit_code
 
-    rows = [("RESOURCE", "PATH", "HOST PATH", "PRESENT", "TYPE", "UNITS")]
+
+def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]]) -> Report:
+    """Look at the node: every finding as data."""
+    report = Report(cfg.source, cfg.dev_root, cfg.device_plugin_dir)
     for dev in cfg.devices:
-        host = dev.host_path(cfg.dev_root)
-        present, what, ok = device_state(host)
-        rows.append((dev.resource, dev.path, host, present, what, _units(dev)))
-        if not ok:
-            problems.append(f"{dev.resource}: {host}: {what}")
-    out.write(_table(rows) + "\n\n")
-    _non_root(cfg, out)
-    _host_access(cfg, out)
-
+        _check_device(cfg, dev, report)
+    for resource, status, line in host_access_findings(cfg):
+        report.add("device-policy", resource, status, line)
     plugin_dir = cfg.device_plugin_dir
-    sock = os.path.join(plugin_dir, "kubelet.sock")
-    dir_text = _dir_state(plugin_dir)
+    report.add("plugin-dir", plugin_dir, OK, _dir_state(plugin_dir))  # missing: the daemon waits for it
     sandbox_ok, sandbox_text = sandbox_state(plugin_dir, unit())
-    if not sandbox_ok:
-        problems.append(f"plugin dir: {sandbox_text}")
+    if not sandbox_ok and "sandbox" in sandbox_text:
+        report.drop_in = drop_in(plugin_dir)
+    report.add("sandbox", UNIT, OK if sandbox_ok else PROBLEM, sandbox_text,
+               fix=f"install the drop-in as {DROP_IN}, then: systemctl daemon-reload; systemctl restart {UNIT}"
+               if report.drop_in else None)
+    sock = os.path.join(plugin_dir, "kubelet.sock")
     sock_ok, sock_text = socket_state(sock)
-    if not sock_ok:
-        problems.append(f"kubelet.sock: {sock_text}")
-    out.write(_table([("plugin dir", plugin_dir, dir_text), ("sandbox", UNIT, sandbox_text),
-                      ("kubelet.sock", sock, sock_text)]) + "\n\n")
-    problems += _kubelet_view(cfg, out)
+    report.add("kubelet-socket", sock, OK if sock_ok else PROBLEM, sock_text)
+    _kubelet_view(cfg, report)
+    return report
 
+
+def _check_device(cfg: Config, dev: Device, report: Report) -> None:
+    host = dev.host_path(cfg.dev_root)
+    present, what, ok = device_state(host)
+    row = {"resource": dev.resource, "path": dev.path, "host_path": host, "present": present == "yes",
+           "type": what, "units": dev.count, "unit_ids": _units(dev), "device_number": None,
+           "uid": None, "gid": None, "owner": None, "mode": None, "non_root": None, "char_link": None}
+    report.devices.append(row)
+    report.add("device", dev.resource, OK if ok else PROBLEM, f"{host}: {what}")
+    if not ok:
+        return
+    st = os.stat(host)
+    number = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+    row.update(device_number=number, uid=st.st_uid, gid=st.st_gid, owner=f"{_user(st.st_uid)}:{_group(st.st_gid)}",
+               mode=f"{stat.S_IMODE(st.st_mode):04o}", non_root=non_root_access(st, dev.permissions))
+    link_ok, link_text, link_fix = char_link_state(cfg.dev_root, host, st)
+    row["char_link"] = os.path.join(cfg.dev_root, "char", number)
+    report.add("char-link", dev.resource, OK if link_ok else WARNING, link_text, link_fix)
+    report.add("non-root", dev.resource, OK if row["non_root"] == "yes" else WARNING,
+               f"a non-root container can open {host}: {row['non_root']}",
+               None if row["non_root"] == "yes" else
+               "device_ownership_from_security_context = true in the container runtime (containerd, CRI-O), "
+               f"or make the node 0660 root:kvm and give the pod supplementalGroups: [<its gid>]")
+
+
+def render_text(report: Report, out: TextIO) -> None:
+    """The table a person reads."""
+    out.write(f"config: {report.config or 'built-in defaults'}\ndev root: {report.dev_root}\n\n")
+    rows = [("RESOURCE", "PATH", "HOST PATH", "PRESENT", "TYPE", "UNITS")]
+    for d in report.devices:
+        present = "yes" if d["present"] else ("no" if d["type"] == "missing" else "?")
+        rows.append((d["resource"], d["path"], d["host_path"], present, d["type"], d["unit_ids"]))
+    out.write(_table(rows) + "\n\n")
+    _render_non_root(report, out)
+    _render_host_access([f.message for f in report.findings if f.check == "device-policy"], out)
+    by_check = {f.check: f for f in report.findings if f.check in ("plugin-dir", "sandbox", "kubelet-socket")}
+    out.write(_table([("plugin dir", report.plugin_dir, by_check["plugin-dir"].message),
+                      ("sandbox", UNIT, by_check["sandbox"].message),
+                      ("kubelet.sock", by_check["kubelet-socket"].subject, by_check["kubelet-socket"].message)]) + "\n\n")
+    view = report.kubelet_view
+    if view.get("counts") is None:
+        out.write(f"kubelet's view: {view['note']}; not shown\n\n")
+    else:
+        rows = [("RESOURCE", "WE ADVERTISE", "KUBELET ALLOCATABLE", "")]
+        rows += [(r, str(c["ours"]), str(c["kubelet"]), "match" if c["ours"] == c["kubelet"] else "MISMATCH")
+                 for r, c in view["counts"].items()]
+        out.write(f"kubelet's view (pod-resources {view['socket']}):\n{_table(rows)}\n\n")
+    links = [f for f in report.findings if f.check == "char-link" and f.status != OK]
+    if links:
+        out.write("WARNING: under the systemd cgroup driver, runc hands a container's device rules to systemd as\n"
+                  "DeviceAllow=/dev/char/MAJOR:MINOR, applied again on every systemctl daemon-reload; where the\n"
+                  "link is missing, running containers can lose the device:\n")
+        out.writelines(f"  - {f.subject}: {f.message}\n    fix: {f.fix}\n" for f in links)
+        out.write("\n")
+    problems = report.problems
     if problems:
         n = len(problems)
         out.write(f"NOT READY: this node cannot serve every configured resource ({n} problem{'s' if n > 1 else ''}):\n")
-        out.writelines(f"  - {p}\n" for p in problems)
-        if not sandbox_ok and "sandbox" in sandbox_text:
+        out.writelines(f"  - {_problem_text(f)}\n" for f in problems)
+        if report.drop_in:
             out.write(f"\nInstall this drop-in as {DROP_IN}, then: systemctl daemon-reload; "
-                      f"systemctl restart {UNIT}\n\n" + drop_in(plugin_dir))
-        return EX_NOT_READY
-    names = ", ".join(d.resource for d in cfg.devices)
+                      f"systemctl restart {UNIT}\n\n" + report.drop_in)
+        return
+    names = ", ".join(d["resource"] for d in report.devices)
     out.write(f"READY: this node can serve {names}\n")
-    return EX_READY
+
+
+def _problem_text(f: Finding) -> str:
+    prefix = {"sandbox": "plugin dir", "kubelet-socket": "kubelet.sock"}.get(f.check, f.subject)
+    return f"{prefix}: {f.message}"
+
+
+def to_json(report: Report) -> str:
+    """`check --json`: a stable document for fleet tools (docs/check-json.md)."""
+    doc = {
+        "schema": SCHEMA,
+        "ready": not report.problems,
+        "exit_code": report.exit_code,
+        "config": report.config,
+        "dev_root": report.dev_root,
+        "plugin_dir": report.plugin_dir,
+        "devices": [{k: v for k, v in d.items() if k != "unit_ids"} for d in report.devices],
+        "kubelet_view": report.kubelet_view,
+        "findings": [{"check": f.check, "subject": f.subject, "status": f.status, "message": f.message, "fix": f.fix}
+                     for f in report.findings],
+        "drop_in": report.drop_in,
+    }
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def config_error_json(e: ConfigError) -> str:
+    """`check --json` when the configuration is invalid (exit status EX_CONFIG)."""
+    return json.dumps({"schema": SCHEMA, "ready": False, "exit_code": config.EX_CONFIG, "config_errors": e.errors},
+                      indent=2) + "\n"
 
 
 def check_config(path: str, out: TextIO, required: bool = False, err: Optional[TextIO] = None) -> int:
@@ -139,32 +265,35 @@ def socket_state(path: str, timeout: float = SOCKET_TIMEOUT_S) -> Tuple[bool, st
 
 # --- the device policy: nodes that give a pod the host -------------------------------
 
-def host_access_warnings(cfg: Config) -> List[str]:
-    """One line per device whose table sets allow_host_access: what it lets through."""
+def host_access_findings(cfg: Config) -> List[Tuple[str, str, str]]:
+    """(resource, status, line) per device whose table sets allow_host_access: what it lets through."""
     from atedevd import policy
 
-    lines = []
+    out = []
     for dev in cfg.devices:
         if not dev.allow_host_access:
             continue
         try:
             found = policy.refusal(dev.host_path(cfg.dev_root))
         except OSError:
-            lines.append(f"WARNING: {dev.resource}: allow_host_access = true and {dev.path} is not there: "
-                         "whatever node appears there is granted, even one that gives pods the host")
+            out.append((dev.resource, WARNING, f"WARNING: {dev.resource}: allow_host_access = true and {dev.path} is not there: "
+                        "whatever node appears there is granted, even one that gives pods the host"))
             continue
         if found is None:
-            lines.append(f"note: {dev.resource}: allow_host_access = true has no effect: "
-                         f"{dev.path} is not a node the device policy refuses")
+            out.append((dev.resource, OK, f"note: {dev.resource}: allow_host_access = true has no effect: "
+                        f"{dev.path} is not a node the device policy refuses"))
         elif not found.rule.opt_in:
-            lines.append(f"{dev.resource}: {found} (allow_host_access cannot grant it)")
+            out.append((dev.resource, PROBLEM, f"{dev.resource}: {found} (allow_host_access cannot grant it)"))
         else:
-            lines.append(f"WARNING: {dev.resource}: granted because allow_host_access = true: {found}")
-    return lines
+            out.append((dev.resource, WARNING, f"WARNING: {dev.resource}: granted because allow_host_access = true: {found}"))
+    return out
 
 
 def _host_access(cfg: Config, out: TextIO) -> None:
-    lines = host_access_warnings(cfg)
+    _render_host_access([line for _, _, line in host_access_findings(cfg)], out)
+
+
+def _render_host_access(lines: List[str], out: TextIO) -> None:
     if lines:
         out.write("Device policy (see atedevd.toml(5)):\n" + "".join(f"  {line}\n" for line in lines) + "\n")
 
@@ -196,22 +325,15 @@ def non_root_access(st: os.stat_result, permissions: str) -> str:
     return "only with " + " or ".join(ways) if ways else "no"
 
 
-def _non_root(cfg: Config, out: TextIO) -> None:
+def _render_non_root(report: Report, out: TextIO) -> None:
     rows = [("RESOURCE", "HOST PATH", "OWNER", "MODE", "NON-ROOT CONTAINER CAN OPEN IT")]
     group_gids = set()
-    for dev in cfg.devices:
-        host = dev.host_path(cfg.dev_root)
-        try:
-            st = os.stat(host)
-        except OSError:
-            continue  # reported above
-        if not stat.S_ISCHR(st.st_mode):
-            continue
-        verdict = non_root_access(st, dev.permissions)
-        if verdict.startswith("only") and "supplementalGroups" in verdict:
-            group_gids.add(st.st_gid)
-        rows.append((dev.resource, host, f"{_user(st.st_uid)}:{_group(st.st_gid)}",
-                     f"{stat.S_IMODE(st.st_mode):04o}", verdict))
+    for d in report.devices:
+        if d["non_root"] is None:
+            continue  # missing or not a char device: reported above
+        if d["non_root"].startswith("only") and "supplementalGroups" in d["non_root"]:
+            group_gids.add(d["gid"])
+        rows.append((d["resource"], d["host_path"], d["owner"], d["mode"], d["non_root"]))
     if len(rows) == 1:
         return
     out.write("Inside a container a device node keeps its host owner and mode, so a pod that runs as a\n"
@@ -223,6 +345,31 @@ def _non_root(cfg: Config, out: TextIO) -> None:
     out.write("For non-root pods, do one of:\n" + RUNTIME_FIX
               + "  - or make the host node 0660 root:kvm (e.g. a udev rule) and give the pod\n"
               f"    securityContext.supplementalGroups: [{gid}] (numeric: the image's /etc/group does not count)\n\n")
+
+
+# --- /dev/char links ---------------------------------------------------------------
+
+def char_link_state(dev_root: str, host_path: str, st: os.stat_result) -> Tuple[bool, str, Optional[str]]:
+    """(ok, words, fix): does DEV_ROOT/char/MAJOR:MINOR lead to this device node?
+
+    runc, under the systemd cgroup driver, hands a container's device rules to systemd
+    as DeviceAllow=/dev/char/MAJOR:MINOR, and systemd applies them again on every
+    daemon-reload; some runc versions (1.1.3 to 1.1.6) leave out a rule whose link is
+    missing, and a reload then takes the device from running containers. udev makes
+    these links; a node made without udev (mknod, some images) has none."""
+    major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+    link = os.path.join(dev_root, "char", f"{major}:{minor}")
+    target = os.path.relpath(host_path, os.path.dirname(link))
+    fix = f"udevadm trigger --action=add {host_path} (udev makes the link), or: ln -s {target} {link}"
+    try:
+        lst = os.stat(link)
+    except FileNotFoundError:
+        return False, f"{link} is missing", fix
+    except OSError as e:
+        return False, f"{link}: cannot stat: {e.strerror or e}", fix
+    if not stat.S_ISCHR(lst.st_mode) or lst.st_rdev != st.st_rdev:
+        return False, f"{link} does not lead to {host_path}", f"ln -sfn {target} {link}"
+    return True, f"{link} present", None
 
 
 def _user(uid: int) -> str:
@@ -285,7 +432,9 @@ def drop_in(plugin_dir: str) -> str:
             "ExecStartPre=\n"
             f"ExecStartPre=+/bin/mkdir -p -m 0750 {plugin_dir}\n"
             "ReadWritePaths=\n"
-            f"ReadWritePaths=-{plugin_dir}\n")
+            f"ReadWritePaths=-{plugin_dir}\n"
+            "# The unit's other exception, kept: node_exporter's textfile directory (atedevd.prom).\n"
+            f"ReadWritePaths=-{metrics.DEFAULT_DIR}\n")
 
 
 def kubelet_counts(socket_path: str, timeout: float = 2.0) -> Dict[str, int]:
@@ -306,34 +455,32 @@ def kubelet_counts(socket_path: str, timeout: float = 2.0) -> Dict[str, int]:
     return {name: len(found) for name, found in allocatable_ids(resp).items()}
 
 
-def _kubelet_view(cfg: Config, out: TextIO) -> List[str]:
+def _kubelet_view(cfg: Config, report: Report) -> None:
     """What kubelet itself counts, next to what we advertise: the one place a
     registration that kubelet silently stopped honouring shows."""
     from atedevd.kubelet import pod_resources_socket  # imports grpc: only when `check` gets here
 
     path = pod_resources_socket(cfg.device_plugin_dir)
+    report.kubelet_view = {"socket": path, "counts": None, "note": None}
     if not os.path.exists(path):
-        out.write(f"kubelet's view: no pod-resources API at {path}; not shown\n\n")
-        return []
+        report.kubelet_view["note"] = f"no pod-resources API at {path}"
+        return
     try:
         counts = kubelet_counts(path)
     except OSError as e:
-        out.write(f"kubelet's view: {path} did not answer ({e}); not shown\n\n")
-        return []
-    rows = [("RESOURCE", "WE ADVERTISE", "KUBELET ALLOCATABLE", "")]
-    problems = []
-    for dev in cfg.devices:
-        ours = dev.count if device_state(dev.host_path(cfg.dev_root))[2] else 0
+        report.kubelet_view["note"] = f"{path} did not answer ({e})"
+        return
+    view = report.kubelet_view["counts"] = {}
+    for dev, row in zip(cfg.devices, report.devices):
+        ours = dev.count if row["present"] and row["device_number"] is not None else 0
         theirs = counts.get(dev.resource, 0)
+        view[dev.resource] = {"ours": ours, "kubelet": theirs}
         if theirs == ours:
-            verdict = "match"
+            report.add("kubelet-count", dev.resource, OK, f"kubelet counts {theirs} allocatable, as we advertise")
         else:
-            verdict = "MISMATCH"
             why = "is atedevd running and registered?" if theirs == 0 else "kubelet's list is out of date"
-            problems.append(f"{dev.resource}: kubelet counts {theirs} allocatable, we advertise {ours} healthy ({why})")
-        rows.append((dev.resource, str(ours), str(theirs), verdict))
-    out.write(f"kubelet's view (pod-resources {path}):\n{_table(rows)}\n\n")
-    return problems
+            report.add("kubelet-count", dev.resource, PROBLEM,
+                       f"kubelet counts {theirs} allocatable, we advertise {ours} healthy ({why})")
 
 
 def _dir_state(path: str) -> str:

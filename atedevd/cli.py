@@ -12,7 +12,7 @@ import traceback
 from typing import List, Optional
 
 from atedevd import config, instance, launch
-from atedevd.systemd import setup_logging
+from atedevd.systemd import journal_is_stderr, setup_logging
 
 EX_RUNTIME = 1
 
@@ -32,7 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     for s in (run, check):
         s.add_argument("--device-plugin-dir", metavar="DIR", help="kubelet's device plugin directory")
         s.add_argument("--dev-root", metavar="DIR", help="where the node's device nodes are looked up")
+    check.add_argument("--json", action="store_true", help="the findings as a JSON document (schema atedevd-check/v1)")
     run.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning or error")
+    run.add_argument("--metrics-dir", metavar="DIR",
+                     help="node_exporter's textfile directory for atedevd.prom (default /var/lib/prometheus/node-exporter "
+                          "when it exists; an empty value turns metrics off)")
     return p
 
 
@@ -41,6 +45,7 @@ def _load(args) -> config.Config:
         "device_plugin_dir": getattr(args, "device_plugin_dir", None),
         "dev_root": getattr(args, "dev_root", None),
         "log_level": getattr(args, "log_level", None),
+        "metrics_dir": getattr(args, "metrics_dir", None),
     }
     return config.load(args.config or config.DEFAULT_CONFIG_PATH, required=args.config is not None, overrides=overrides)
 
@@ -58,12 +63,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             setup_logging("info")
             logging.getLogger("atedevd").error("configuration error, not starting:\n%s", e)
         else:
+            if getattr(args, "json", False):
+                from atedevd import check
+
+                sys.stdout.write(check.config_error_json(e))
             print(f"atedevd: configuration error:\n{e}", file=sys.stderr)
         return config.EX_CONFIG
     if args.command == "check":
         from atedevd import check
 
-        return check.run(cfg, sys.stdout)
+        return check.run(cfg, sys.stdout, as_json=args.json)
     return _run(args, cfg)
 
 
@@ -76,7 +85,8 @@ def _run(args, cfg: config.Config) -> int:
     except (instance.AlreadyRunning, OSError) as e:
         logging.getLogger("atedevd").error("not starting: %s", e)
         return EX_RUNTIME
-    overrides = {k: v for k, v in (("device_plugin_dir", args.device_plugin_dir), ("dev_root", args.dev_root), ("log_level", args.log_level)) if v}
+    overrides = {k: v for k, v in (("device_plugin_dir", args.device_plugin_dir), ("dev_root", args.dev_root),
+                                   ("log_level", args.log_level), ("metrics_dir", args.metrics_dir)) if v is not None}
     code = EX_RUNTIME
     try:
         code = Daemon(cfg, args.config or config.DEFAULT_CONFIG_PATH, args.config is not None, overrides).run()
@@ -91,13 +101,25 @@ def _run(args, cfg: config.Config) -> int:
 
 
 def _log_crash(e: BaseException) -> None:
-    """One ERROR line naming the exception; the traceback at DEBUG and as a journald field."""
+    """One ERROR line naming the exception (the traceback as a journald field), and the
+    traceback itself on stderr whatever the log level: under systemd stderr is the
+    journal too, so `journalctl -u atedevd` and a terminal both show where it broke."""
     trace = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     reason = " ".join(str(e).split()) or "(no message)"
     log = logging.getLogger("atedevd")
     try:
         log.error("crashed, exiting with status %d: %s: %s", EX_RUNTIME, type(e).__name__, reason,
                   extra={"ATEDEVD_EVENT": "crashed", "ATEDEVD_TRACEBACK": trace})
-        log.debug("crash traceback:\n%s", trace)
     except Exception:  # logging itself broken: stderr is still the journal under systemd
-        print(f"atedevd: crashed: {type(e).__name__}: {reason}", file=sys.stderr)
+        _stderr(f"atedevd: crashed: {type(e).__name__}: {reason}\n")
+    if journal_is_stderr():  # journald reads a <3> prefix as the line's priority: err, like the line above
+        trace = "".join(f"<3>{line}\n" for line in trace.splitlines())
+    _stderr(trace)
+
+
+def _stderr(text: str) -> None:
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:  # nowhere left to say it
+        pass

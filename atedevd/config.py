@@ -42,7 +42,7 @@ MAX_FILE_BYTES = 1 << 20
 MIN_COUNT, MAX_COUNT = 1, 65536
 MAX_DEVICE_ID = 63  # kubelet's limit on a device ID
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DAEMON_KEYS = ("device_plugin_dir", "dev_root", "log_level")
+DAEMON_KEYS = ("device_plugin_dir", "dev_root", "log_level", "metrics_dir")
 DEVICE_KEYS = ("resource", "path", "count", "permissions", "allow_host_access")
 
 
@@ -82,6 +82,7 @@ class Config:
     device_plugin_dir: str = "/var/lib/kubelet/device-plugins"
     dev_root: str = "/dev"
     log_level: str = "info"
+    metrics_dir: Optional[str] = None  # node_exporter's textfile directory; None: the default, "": off
     devices: Tuple[Device, ...] = field(default=DEFAULT_DEVICES)
     source: Optional[str] = None  # the file read; None for the built-in defaults
 
@@ -368,6 +369,8 @@ def _check_daemon_value(key: str, value) -> Optional[str]:
         close = difflib.get_close_matches(value.lower(), LOG_LEVELS, n=1)
         hint = f'; did you mean "{close[0]}"?' if close else ""
         return f"must be one of {', '.join(LOG_LEVELS)}, got {_q(value)}{hint}"
+    if key == "metrics_dir" and value == "":
+        return None  # metrics off
     if "\0" in value:
         return "must not contain a NUL character"
     if not value.startswith("/"):

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import inotify.constants as ic
 
-from atedevd import devices, sockets
+from atedevd import devices, metrics, sockets
 from atedevd.config import Config, ConfigError, Device, load
 from atedevd.kubelet import KUBELET_SOCKET, KubeletView
 from atedevd.plugin import Workers
@@ -69,6 +69,7 @@ class Daemon:
         self._overflow_said = -OVERFLOW_SAY_EVERY_S
         self._workers = Workers(len(cfg.devices))
         self.kubelet = KubeletView(cfg.device_plugin_dir)
+        self.metrics = metrics.TextfileWriter(metrics.resolve_dir(cfg.metrics_dir))
         self._ctx = Context(cfg.device_plugin_dir, sockets.new_run_id(), self._workers, self.kubelet, self._post, self._serve_failed)
 
     # --- life cycle -----------------------------------------------------------
@@ -86,7 +87,10 @@ class Daemon:
             event(INFO, "leftover-removed", f"removed {path}, left behind by an earlier run", socket=path)
         self.kubelet.refresh(created=False, events_lost=True)
         self._apply(self.cfg, first=True)
+        self._info = metrics.DaemonInfo.current()
+        self._wall_offset = metrics.WallOffset()
         self.notifier.ready(self._status())
+        self._write_metrics()
         event(INFO, "started", f"atedevd serving {self._summary()} in {self.cfg.device_plugin_dir}")
         try:
             self._loop()
@@ -110,6 +114,8 @@ class Daemon:
             poll_at = self._watcher.poll_deadline()  # directories inotify could not watch are polled
             if poll_at is not None:
                 deadlines.append(poll_at)
+            if self.metrics.enabled:
+                deadlines.append(self.metrics.deadline())
             timeout = None if not deadlines else max(0, int((min(deadlines) - now) * 1000) + 1)
             for fd, _ in poller.poll(timeout):
                 if fd == self._sig_r:
@@ -130,12 +136,14 @@ class Daemon:
                     r.reg.on_timer(now)
             self._reconcile()
             self.notifier.status(self._status())
+            self._write_metrics()
 
     def _shutdown(self) -> None:
         event(INFO, "stopping", "stopping: removing our sockets")
         for r in self.resources.values():
             r.reg.close()
         sockets.remove_standby_dir(self.cfg.device_plugin_dir)  # nothing of ours left in kubelet's directory
+        self._write_metrics(force=True)  # the last word: every resource stopped, not registered
         self._workers.shutdown(wait=False)
         self._watcher.close()
 
@@ -281,6 +289,8 @@ class Daemon:
             event(WARNING, "reload", f"device_plugin_dir cannot change on reload; still using {self.cfg.device_plugin_dir} (restart to change it)")
             cfg = replace(cfg, device_plugin_dir=self.cfg.device_plugin_dir)
         set_level(cfg.log_level)
+        if not first and cfg.metrics_dir != self.cfg.metrics_dir:
+            self.metrics = metrics.TextfileWriter(metrics.resolve_dir(cfg.metrics_dir))
         self.cfg = cfg
         self._workers.grow(len(cfg.devices))
         now = time.monotonic()
@@ -322,6 +332,15 @@ class Daemon:
         self.notifier.ready(self._status())
 
     # --- reporting ------------------------------------------------------------------
+
+    def _write_metrics(self, force: bool = False) -> None:
+        """atedevd.prom, when it changed or is due (rendered at most once a second)."""
+        self.metrics.update(self._render_metrics, time.monotonic(), force=force)
+
+    def _render_metrics(self) -> str:
+        return metrics.render(self._info, (r.reg for r in self.resources.values()), State,
+                              polling=self._watcher.poll_deadline() is not None,
+                              reload_ok=self.reload_error is None, wall_offset=self._wall_offset.current())
 
     def _summary(self) -> str:
         return ", ".join(f"{r.name} ({r.device.path})" for r in self.resources.values()) or "no devices"

@@ -51,18 +51,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     return cli_main(argv)
 
 
-def version_text() -> str:
-    """`atedevd --version`: our version, the package flavour, and the stack it runs on."""
+def stack_versions() -> dict:
+    """Our version, the package flavour and the versions of the stack (grpcio, protobuf,
+    Python) this process runs on: `atedevd --version` and the metrics' build info."""
     from atedevd import __version__
 
-    parts = []
+    out = {"version": __version__, "flavour": _build.FLAVOUR}
     for module, dist in (("grpc", "grpcio"), ("google.protobuf", "protobuf")):
         try:
-            parts.append(f"{dist} {__import__(module, fromlist=['__version__']).__version__}")
+            out[dist] = __import__(module, fromlist=["__version__"]).__version__
         except ImportError:
-            parts.append(f"{dist} missing")
-    python = "%d.%d.%d" % sys.version_info[:3]
-    return f"atedevd {__version__}\npackage: {_build.FLAVOUR}\nruns on: {', '.join(parts)}, Python {python}"
+            out[dist] = "missing"
+    out["python"] = "%d.%d.%d" % sys.version_info[:3]
+    return out
+
+
+def version_text() -> str:
+    """`atedevd --version`: our version, the package flavour, and the stack it runs on."""
+    v = stack_versions()
+    stack = ", ".join(f"{dist} {v[dist]}" for dist in ("grpcio", "protobuf"))
+    return f"atedevd {v['version']}\npackage: {v['flavour']}\nruns on: {stack}, Python {v['python']}"
 
 
 class VersionAction(argparse.Action):

@@ -82,6 +82,21 @@ class Workers(futures.Executor):
             del task, future, fn, args, kwargs  # no references kept between tasks
 
 
+class AllocateCounts:
+    """Allocate calls and failures of one resource, over all its sockets (for metrics);
+    counted on gRPC threads, read by the loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.calls = 0
+        self.failures = 0
+
+    def count(self, failed: bool) -> None:
+        with self._lock:
+            self.calls += 1
+            self.failures += failed
+
+
 class _Stream:
     __slots__ = ("primary", "ended_by_us")
 
@@ -100,6 +115,7 @@ class PluginServer:
         workers: Workers,
         stream_slots: threading.BoundedSemaphore,
         on_event: Callable[[str, "PluginServer"], None],
+        allocations: Optional[AllocateCounts] = None,
     ):
         self.device = device
         self.bind_path = bind_path  # where it was bound: /proc/net/unix names it so
@@ -107,6 +123,7 @@ class PluginServer:
         self._workers = workers
         self._slots = stream_slots
         self._on_event = on_event
+        self._allocations = allocations or AllocateCounts()
         self._cond = threading.Condition()
         self._snapshot: Optional[Snapshot] = None
         self._streams: Set[_Stream] = set()
@@ -234,6 +251,15 @@ class PluginServer:
                 self._on_event(STREAM_ENDED, self)
 
     def Allocate(self, request, context):
+        try:
+            resp = self._allocate(request, context)
+        except BaseException:  # context.abort raises: a refusal kubelet sees
+            self._allocations.count(failed=True)
+            raise
+        self._allocations.count(failed=False)
+        return resp
+
+    def _allocate(self, request, context):
         snap = self._snapshot
         resp = pb.AllocateResponse()
         for n, creq in enumerate(request.container_requests):

@@ -19,7 +19,8 @@ from atedevd import sockets
 from atedevd.config import Device
 from atedevd.devices import Snapshot
 from atedevd.kubelet import AllocatableCall, KubeletView, RegisterCall
-from atedevd.plugin import LIST_SENT, STREAM_ENDED, STREAM_OPENED, STREAM_REFUSED, STREAMS_PER_RESOURCE, PluginServer, Workers
+from atedevd.plugin import (LIST_SENT, STREAM_ENDED, STREAM_OPENED, STREAM_REFUSED, STREAMS_PER_RESOURCE, AllocateCounts,
+                            PluginServer, Workers)
 from atedevd.systemd import event
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class Registrar:
         self._calls: Dict[int, object] = {}
         self._gone: Set[int] = set()  # sids told to the machine as deleted
         self._slots = threading.BoundedSemaphore(STREAMS_PER_RESOURCE)
+        self.allocations = AllocateCounts()  # shared by this resource's servers (metrics)
         self._n = 0  # socket names used
         self._registers = 0
 
@@ -77,6 +79,12 @@ class Registrar:
     @property
     def deadline(self) -> Optional[float]:
         return self.machine.deadline
+
+    # What the metrics read.
+    registrations = property(lambda self: self.machine.registrations)
+    reasons = property(lambda self: self.machine.reasons)
+    changed_at = property(lambda self: self.machine.changed_at)
+    kubelet_count = property(lambda self: self.machine.kubelet_count)
 
     @property
     def stopped(self) -> bool:
@@ -204,7 +212,8 @@ class Registrar:
         directory = os.path.join(self.ctx.plugin_dir, sockets.STANDBY_DIR) if standby else self.ctx.plugin_dir
         path = os.path.join(directory, name)
         server = PluginServer(self.device, path, self.ctx.workers, self._slots,
-                              lambda kind, _server, sid=sid: self.ctx.post(partial(self._stream_event, kind, sid)))
+                              lambda kind, _server, sid=sid: self.ctx.post(partial(self._stream_event, kind, sid)),
+                              self.allocations)
         server.publish(self.snapshot)
         try:
             if standby:  # never the plugin directory itself: that is kubelet's to make

@@ -165,7 +165,7 @@ def _journal_handler() -> Optional[logging.Handler]:
     return None
 
 
-def _journal_is_stderr() -> bool:
+def journal_is_stderr() -> bool:
     """True when systemd connected our stderr to journald (JOURNAL_STREAM=dev:inode)."""
     value = os.environ.get("JOURNAL_STREAM", "")
     try:
@@ -188,7 +188,7 @@ def setup_logging(level: str) -> None:
     root = logging.getLogger(LOGGER)
     root.handlers.clear()
     root.propagate = False
-    journal = _journal_is_stderr()
+    journal = journal_is_stderr()
     native = _journal_handler() if journal else None
     if native is not None:
         handler: logging.Handler = native

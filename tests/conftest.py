@@ -17,6 +17,7 @@ from tests.kubelet_standin import MODES, Kubelet
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "registration: run against every kubelet version the stand-in models")
+    config.addinivalue_line("markers", "slow: seconds of its own; `make check` (the fast layer) leaves it out")
 
 
 def pytest_generate_tests(metafunc):

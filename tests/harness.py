@@ -133,18 +133,19 @@ class Daemon:
     """One `atedevd run` process with its own notify socket, runtime dir and log file."""
 
     def __init__(self, workdir: str, plugin_dir: str, dev_root: str, config: Optional[str] = None,
-                 extra_args=(), env=None, log_level: str = "info"):
+                 extra_args=(), env=None, log_level: str = "info", metrics_dir: str = "", launcher=("-m", "atedevd")):
         self.workdir = workdir
         self.plugin_dir = plugin_dir
         os.makedirs(workdir, exist_ok=True)
         self.notify = NotifySocket(os.path.join(workdir, f"notify-{time.monotonic_ns()}"))
         self.log_path = os.path.join(workdir, f"daemon-{time.monotonic_ns()}.log")
-        args = [sys.executable, "-m", "atedevd", "run", "--device-plugin-dir", plugin_dir,
+        # `launcher`: how python3 is told to run the CLI (a test may wrap it: `-c CODE`).
+        args = [sys.executable, *launcher, "run", "--device-plugin-dir", plugin_dir,
                 "--dev-root", dev_root, "--log-level", log_level]
         if config is None:  # hermetic: never the host's /etc/atedevd/config.toml
             config = os.path.join(workdir, "empty.toml")
             open(config, "a").close()
-        args += ["--config", config]
+        args += ["--config", config, "--metrics-dir", metrics_dir]  # hermetic: off unless asked, never the host's
         args += list(extra_args)
         full_env = dict(os.environ)
         full_env.pop("JOURNAL_STREAM", None)

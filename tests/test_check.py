@@ -25,6 +25,8 @@ def node():
     os.mkdir(os.path.join(root, "dev"))
     os.mkdir(os.path.join(root, "dp"))
     os.symlink("/dev/null", os.path.join(root, "dev", "kvm"))
+    os.mkdir(os.path.join(root, "dev", "char"))
+    os.symlink("../kvm", os.path.join(root, "dev", "char", "1:3"))  # what udev makes (here /dev/null's number)
     socks = []
     yield Node(root, socks)
     for s in socks:

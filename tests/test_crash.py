@@ -1,4 +1,5 @@
-"""A crash exits promptly with status 1 and one line saying why.
+"""A crash exits promptly with status 1, one ERROR line saying why, and the traceback
+on stderr whatever the log level.
 
 The daemon has no test hook for this: each test owns a wrapper that imports
 the daemon, replaces one of its methods with one that raises, and runs the
@@ -55,8 +56,9 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.parametrize("level", ["info", "error", "debug"])
 @pytest.mark.parametrize("where", ["in-the-loop", "before-the-loop"])
-def test_crash_exits_1_promptly_with_one_line(tmp_path, plugin_dir, dev_root, kubelet, where):
+def test_crash_exits_1_promptly_with_one_line_and_the_traceback(tmp_path, plugin_dir, dev_root, kubelet, where, level):
     config = tmp_path / "empty.toml"
     config.write_text("")
     notify = NotifySocket(str(tmp_path / "notify"))
@@ -69,8 +71,8 @@ def test_crash_exits_1_promptly_with_one_line(tmp_path, plugin_dir, dev_root, ku
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-c", wrapper, "run", "--config", str(config), "--device-plugin-dir", plugin_dir,
-             "--dev-root", dev_root, "--log-level", "info"],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+             "--dev-root", dev_root, "--log-level", level, "--metrics-dir", ""],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
         assert kubelet.wait_connected(RESOURCE), log_path.read_text()  # a live stream on a gRPC thread
         crashed_at = time.monotonic()
@@ -87,9 +89,30 @@ def test_crash_exits_1_promptly_with_one_line(tmp_path, plugin_dir, dev_root, ku
             proc.kill()
             proc.wait()
         notify.close()
-    text = log_path.read_text()
+    text = log_path.read_text()  # stderr only
     assert code == 1, text
     assert took < 2.0, (took, text)
     errors = [line.split(" ", 1)[1] for line in text.splitlines() if " ERROR " in f" {line}"]  # past the timestamp
     assert errors == ["ERROR crashed, exiting with status 1: RuntimeError: injected by the test second line of the message"], text
-    assert "Traceback" not in text  # at DEBUG, which --log-level info leaves out
+    # The traceback once, after the ERROR line, at every level: where it broke and why.
+    assert text.count("Traceback (most recent call last):") == 1, text
+    trace = text[text.index("Traceback (most recent call last):"):]
+    assert text.index(" ERROR crashed") < text.index("Traceback"), text
+    frame = "in on_fs_events" if where == "in-the-loop" else "in summary"
+    assert frame in trace and "RuntimeError: injected by the test\nsecond line of the message" in trace, text
+
+
+def test_under_journald_the_traceback_lines_carry_the_err_priority(monkeypatch, capsys):
+    """journald reads a leading <3> on a stderr line as priority err (SyslogLevelPrefix=,
+    on by default): `journalctl -p err -u atedevd` shows the traceback with the line."""
+    from atedevd import cli
+
+    monkeypatch.setattr(cli, "journal_is_stderr", lambda: True)
+    try:
+        raise ValueError("boom")
+    except ValueError as e:
+        cli._log_crash(e)
+    lines = capsys.readouterr().err.splitlines()
+    lines = lines[lines.index("<3>Traceback (most recent call last):"):]  # after the ERROR line, if logging printed it
+    assert lines[0] == "<3>Traceback (most recent call last):" and lines[-1] == "<3>ValueError: boom", lines
+    assert all(line.startswith("<3>") for line in lines), lines

@@ -234,6 +234,7 @@ def test_a_refused_stream_is_an_error_in_the_journal_and_status(daemon, kubelet,
 # --- kubelet restarts -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 25 s: left out of `make check`
 def test_kubelet_restart_storm_every_restart_reregistered(daemon, kubelet, plugin_dir):
     rng = random.Random(2026)
     restarts = 200
@@ -381,6 +382,7 @@ def test_register_dials_kubelet_with_authority_localhost(start_daemon, plugin_di
     assert headers[":path"] == "/v1beta1.Registration/Register"
 
 
+@pytest.mark.slow  # waits out WARN_AFTER_S: left out of `make check`
 def test_failing_after_a_registration_is_a_warning_with_the_reason_in_status(daemon, kubelet):
     """kubelet refuses us for longer than a restart takes: not DEBUG noise but a WARNING
     (then at most once a minute), and STATUS= says why and since when."""

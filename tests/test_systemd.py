@@ -502,7 +502,8 @@ def test_custom_kubelet_root_needs_the_drop_in_that_check_prints(clean):
         assert node.journal("-u", "atedevd", "ATEDEVD_EVENT=inotify-unavailable", "-o", "cat").strip() in (
             "", "-- No entries --")
         rw = node.show("atedevd", "ReadWritePaths")["ReadWritePaths"]
-        assert rw.split() == [f"-{K0S_PLUGIN_DIR}"], rw  # the default directory's exception is gone
+        # The default directory's exception is gone; node_exporter's is kept.
+        assert rw.split() == [f"-{K0S_PLUGIN_DIR}", "-/var/lib/prometheus/node-exporter"], rw
         p = node.run("atedevd", "check", check=False)
         assert p.returncode == 0, p.stdout
         assert f"{K0S_PLUGIN_DIR} writable (ReadWritePaths=)" in p.stdout

@@ -146,7 +146,8 @@ def test_sandbox_keeps_what_the_daemon_needs(unit):
     assert values(unit, "Service", "DeviceAllow") == []
     assert one(unit, "Service", "ProtectSystem") == "strict"
     # "-": systemd binds ReadWritePaths= even for the "+" mkdir that creates it (see below).
-    assert values(unit, "Service", "ReadWritePaths") == ["-/var/lib/kubelet/device-plugins"]
+    # The second: node_exporter's textfile directory (atedevd.prom), only where it exists.
+    assert values(unit, "Service", "ReadWritePaths") == ["-/var/lib/kubelet/device-plugins", "-/var/lib/prometheus/node-exporter"]
     assert one(unit, "Service", "RestrictAddressFamilies") == "AF_UNIX"
     # Set and empty: no capabilities at all (an unset key would mean all of them).
     assert ("CapabilityBoundingSet", "") in unit["Service"] and values(unit, "Service", "CapabilityBoundingSet") == []

@@ -1,0 +1,249 @@
+"""Prometheus metrics through node_exporter's textfile collector.
+
+A host daemon that opens no port (the unit has PrivateNetwork=yes and AF_UNIX only)
+is scraped the way host daemons are: it writes `atedevd.prom` in the text exposition
+format into the directory node_exporter's textfile collector reads, and node_exporter
+serves it with the node's other metrics. The file is replaced atomically (a temporary
+file in the same directory, then rename), so a scrape never sees half of it.
+
+`render` turns what the daemon knows into the text; `TextfileWriter` writes it when
+it changed and at least every REFRESH_S, so that the file's age
+(`node_textfile_mtime_seconds`) tells a live daemon from a dead one. The series are
+documented in docs/metrics.md.
+"""
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+log = logging.getLogger(__name__)
+
+# Debian's and Ubuntu's prometheus-node-exporter read this directory (--collector.textfile.directory).
+DEFAULT_DIR = "/var/lib/prometheus/node-exporter"
+FILE_NAME = "atedevd.prom"
+REFRESH_S = 30.0  # at least this often, so that the file's age shows a daemon that stopped
+MIN_INTERVAL_S = 1.0  # at most this often
+
+# Why a Register was sent, as a label: a short, bounded set. Any other reason is the
+# error of the attempt before (a retry).
+REASONS = {
+    "first registration": "first-registration",
+    "kubelet restarted": "kubelet-restarted",
+    "new kubelet.sock": "kubelet-socket-recreated",
+    "our socket was deleted": "socket-deleted",
+    "kubelet ended our stream": "stream-ended",
+    "configuration changed": "config-changed",
+    "kubelet never opened ListAndWatch": "not-watched",
+    "kubelet does not count our devices": "not-counted",
+}
+RETRY = "retry"
+
+
+def resolve_dir(configured: Optional[str]) -> Optional[str]:
+    """Where to write, or None for no metrics: `configured` (None: not set, "" : off),
+    else DEFAULT_DIR when it exists (node_exporter is installed)."""
+    if configured is None:
+        return DEFAULT_DIR if os.path.isdir(DEFAULT_DIR) else None
+    return configured or None
+
+
+def reason_label(why: str) -> str:
+    return REASONS.get(why, RETRY)
+
+
+@dataclass(frozen=True)
+class DaemonInfo:
+    """What does not change while the daemon runs."""
+
+    version: str
+    flavour: str
+    grpcio: str
+    protobuf: str
+    python: str
+    started: float  # monotonic clock (rendered with the wall clock offset, as the state changes are)
+
+    @classmethod
+    def current(cls) -> "DaemonInfo":
+        from atedevd.launch import stack_versions
+
+        v = stack_versions()
+        return cls(v["version"], v["flavour"], v["grpcio"], v["protobuf"], v["python"], time.monotonic())
+
+
+class WallOffset:
+    """Wall clock minus monotonic clock, for timestamps of monotonic events: taken once and
+    kept (a fresh one each render would change the text every time), followed only when
+    the wall clock is stepped by more than STEP_S (NTP setting the clock after boot)."""
+
+    STEP_S = 1.0
+
+    def __init__(self) -> None:
+        self.value = time.time() - time.monotonic()
+
+    def current(self) -> float:
+        now = time.time() - time.monotonic()
+        if abs(now - self.value) > self.STEP_S:
+            self.value = now
+        return self.value
+
+
+class _Family:
+    def __init__(self, name: str, kind: str, help_text: str):
+        self.name, self.kind, self.help = name, kind, help_text
+        self.samples: List[Tuple[Dict[str, str], float]] = []
+
+    def add(self, value: float, **labels: str) -> None:
+        self.samples.append((labels, value))
+
+    def text(self) -> str:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        for labels, value in self.samples:
+            inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            out.append(f"{self.name}{{{inner}}} {_number(value)}" if inner else f"{self.name} {_number(value)}")
+        return "\n".join(out)
+
+
+def render(info: DaemonInfo, registrations: Iterable, states: Iterable, polling: bool,
+           reload_ok: bool, wall_offset: float) -> str:
+    """The whole file. `registrations`: each resource's Registration; `states`: every
+    registration state (an enum); `wall_offset`: wall clock minus monotonic clock (see
+    `WallOffset`), so that an unchanged state renders the same text."""
+    f = {}
+
+    def family(name: str, kind: str, help_text: str) -> _Family:
+        f[name] = _Family(name, kind, help_text)
+        return f[name]
+
+    build = family("atedevd_build_info", "gauge", "atedevd's version, package flavour and the grpcio/protobuf/Python it runs on (always 1).")
+    build.add(1, version=info.version, flavour=info.flavour, grpcio=info.grpcio, protobuf=info.protobuf, python=info.python)
+    family("atedevd_start_time_seconds", "gauge", "When this atedevd process started, in seconds since the epoch.").add(round(info.started + wall_offset, 3))
+    watch = family("atedevd_watch_mode", "gauge", "How atedevd watches kubelet's and the devices' directories: 1 for the mode in use (polling: inotify was refused for at least one directory).")
+    watch.add(0 if polling else 1, mode="inotify")
+    watch.add(1 if polling else 0, mode="polling")
+    family("atedevd_config_last_reload_successful", "gauge", "0 when the last reload (SIGHUP) failed and the previous configuration is still in use, else 1.").add(1 if reload_ok else 0)
+
+    registered = family("atedevd_resource_registered", "gauge", "1 when kubelet streams this resource's devices from atedevd (registered and verified), else 0.")
+    state = family("atedevd_resource_state", "gauge", "The resource's registration state: 1 for the current state, 0 for the others.")
+    advertised = family("atedevd_resource_units_advertised", "gauge", "Units of the resource atedevd lists to kubelet (0 while nothing is served).")
+    healthy = family("atedevd_resource_units_healthy", "gauge", "Units of the resource atedevd lists to kubelet as Healthy.")
+    kubelet = family("atedevd_resource_kubelet_allocatable_units", "gauge", "Units of the resource kubelet's pod-resources API last listed as allocatable (absent until asked, or where kubelet has no pod-resources API).")
+    changed = family("atedevd_resource_state_change_timestamp_seconds", "gauge", "When the resource's registration state last changed, in seconds since the epoch.")
+    regs = family("atedevd_resource_registrations_total", "counter", "Registrations kubelet accepted and verified (the first one and every re-registration).")
+    calls = family("atedevd_resource_register_calls_total", "counter", "Register calls sent to kubelet, by why they were sent.")
+    allocs = family("atedevd_resource_allocate_calls_total", "counter", "Allocate calls kubelet made for the resource.")
+    failures = family("atedevd_resource_allocate_failures_total", "counter", "Allocate calls refused (unknown device IDs, the device node missing).")
+    all_states = [s.value for s in states]
+    for reg in registrations:
+        name = reg.name
+        current = reg.state.value
+        served = current not in ("unserved", "stopped")
+        is_registered = current == "registered"
+        registered.add(1 if is_registered else 0, resource=name)
+        for s in all_states:
+            state.add(1 if s == current else 0, resource=name, state=s)
+        units = len(reg.snapshot.ids) if served else 0
+        advertised.add(units, resource=name)
+        healthy.add(units if reg.snapshot.healthy else 0, resource=name)
+        if reg.kubelet_count is not None:
+            kubelet.add(reg.kubelet_count, resource=name)
+        changed.add(round(reg.changed_at + wall_offset, 3), resource=name)
+        regs.add(reg.registrations, resource=name)
+        by_reason: Dict[str, int] = {label: 0 for label in (*REASONS.values(), RETRY)}
+        for why, n in reg.reasons.items():
+            by_reason[reason_label(why)] += n
+        for label, n in by_reason.items():
+            calls.add(n, resource=name, reason=label)
+        allocs.add(reg.allocations.calls, resource=name)
+        failures.add(reg.allocations.failures, resource=name)
+    return "\n".join(fam.text() for fam in f.values()) + "\n"
+
+
+class TextfileWriter:
+    """Writes the rendered text to DIR/atedevd.prom when it changed or REFRESH_S passed.
+
+    The loop calls `update` after every event; the text is rendered at most every
+    MIN_INTERVAL_S (32 resources take most of a millisecond to render, and a kubelet
+    restart wakes the loop many times in a few milliseconds: the first change is
+    written at once, the ones that follow within the interval together at its end).
+
+    Never raises: a failed write is logged once (and once more when writing works
+    again), and tried again at the next refresh."""
+
+    def __init__(self, directory: Optional[str], refresh: float = REFRESH_S, min_interval: float = MIN_INTERVAL_S):
+        self.directory = directory
+        self.path = os.path.join(directory, FILE_NAME) if directory else None
+        self.refresh = refresh
+        self.min_interval = min_interval
+        self._written: Optional[str] = None
+        self._written_at = -refresh
+        self._rendered_at = -min_interval
+        self._pending = False
+        self._failing = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+    def deadline(self) -> Optional[float]:
+        """When the loop must wake to render again (None: metrics are off)."""
+        if not self.enabled:
+            return None
+        if self._pending:
+            return self._rendered_at + self.min_interval
+        return self._written_at + self.refresh
+
+    def update(self, render: Callable[[], str], now: float, force: bool = False) -> None:
+        """Something may have changed: write `render()` if it did, or if a refresh is due.
+        `force`: now, whatever the interval (the last word before exiting)."""
+        if not self.enabled:
+            return
+        if not force and now < self._rendered_at + self.min_interval:
+            self._pending = True
+            return
+        self._pending = False
+        self._rendered_at = now
+        text = render()
+        if text == self._written and now < self._written_at + self.refresh:
+            return
+        self._written_at = now  # failed or not: the next try is at the refresh
+        try:
+            write_atomically(self.path, text)
+        except OSError as e:
+            self._written = None
+            if not self._failing:
+                self._failing = True
+                log.warning("cannot write metrics to %s: %s (retrying every %.0f s; said once)", self.path, e.strerror or e, self.refresh)
+            return
+        self._written = text
+        if self._failing:
+            self._failing = False
+            log.info("metrics written to %s again", self.path)
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Replace `path` with `text`: a temporary file in the same directory (a name
+    node_exporter does not read: not *.prom), mode 0644, then rename."""
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            os.fchmod(f.fileno(), 0o644)  # node_exporter runs as its own user
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    return repr(value) if isinstance(value, float) else str(int(value))
