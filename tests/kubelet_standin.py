@@ -164,10 +164,12 @@ class Client:
                 with k.cond:
                     if not self.inc.alive:
                         break
+                    t = time.perf_counter()
                     self.devices = {d.ID: d.health for d in resp.devices}
                     self.connected = True
                     k.updates += 1
                     self.inc.device_update(self.resource, resp.devices)
+                    k.message_handled(self, resp, time.perf_counter() - t)
                     k.cond.notify_all()
         except (grpc.RpcError, ValueError):  # ValueError: the channel closed before the call began
             pass
@@ -211,7 +213,7 @@ class _Incarnation:
         self.unhealthy: Dict[str, set] = {}
         self.all_devices: Dict[str, Dict[str, tuple]] = {}  # name -> id -> (health, numa ids)
         self.channels: set = set()
-        self.listeners: List["_KubeletSocket"] = []  # kubelet.sock
+        self.listeners: list = []  # kubelet.sock: a _KubeletSocket or _RenamedSocket
         self.servers: List[grpc.Server] = []  # Registration (first), pod-resources
 
     # --- the device manager (manager.go), called with the lock held ---------------------
@@ -265,8 +267,9 @@ class Kubelet:
                  pod_resources: bool = True, dial_timeout: float = DIAL_TIMEOUT_S, listen_gap: Delay = 0.0):
         if kubelet not in MODES:
             raise ValueError(f"kubelet must be one of {MODES}, not {kubelet!r}")
-        if not (callable(listen_gap) or (isinstance(listen_gap, (int, float)) and listen_gap >= 0)):
-            raise ValueError(f"listen_gap must be seconds >= 0 or a callable returning them, not {listen_gap!r}")
+        if not _is_gap(listen_gap):
+            raise ValueError(f"listen_gap must be seconds >= 0, a callable returning them or a threading.Event, "
+                             f"not {listen_gap!r}")
         unknown = set(delays or ()) - set(DELAY_STEPS)
         if unknown:
             raise ValueError(f"unknown delay steps {sorted(unknown)}; known: {DELAY_STEPS}")
@@ -308,7 +311,11 @@ class Kubelet:
     def start(self, gap: float = 0.0, listen_gap: Optional[Delay] = None) -> None:
         """What a starting kubelet does: restore from the checkpoint, wipe the sockets, serve
         kubelet.sock (`gap` seconds after the wipe; listening `listen_gap` seconds after the
-        file appears, the constructor's `listen_gap` if None). Returns once it listens."""
+        file appears, the constructor's `listen_gap` if None; a threading.Event: once it is
+        set). Returns once it listens."""
+        if listen_gap is not None and not _is_gap(listen_gap):
+            raise ValueError(f"listen_gap must be seconds >= 0, a callable returning them or a threading.Event, "
+                             f"not {listen_gap!r}")
         with self.cond:
             if self.inc.alive:
                 raise RuntimeError("already running")
@@ -323,28 +330,52 @@ class Kubelet:
             time.sleep(gap)
         self._serve(inc, listen_gap)
 
-    def _listen(self, inc: _Incarnation, listen_gap: Optional[Delay]) -> "_KubeletSocket":
-        """Serve Registration on kubelet.sock as kubelet's net.Listen does: bind (the file
-        appears: one creation event, stamped `serving_at`), then listen after `listen_gap`
-        (stamped `listening_at`); a Register sent in between is refused (ECONNREFUSED).
-        Python's gRPC server binds and listens in one step, so it serves on a private
-        abstract address and kubelet.sock relays each connection to it (_KubeletSocket)."""
+    def _listen(self, inc: _Incarnation, listen_gap: Optional[Delay]):
+        """Serve Registration on kubelet.sock, the file appearing once (one creation event,
+        stamped `serving_at`) and kubelet listening on it `listen_gap` seconds later (stamped
+        `listening_at`); a Register sent in between is refused (ECONNREFUSED).
+
+        With a gap, kubelet.sock is bound at once and listened on after the gap, as Go's
+        net.Listen does (bind, then listen); Python's gRPC server binds and listens in one
+        step, so it serves on a private abstract address and kubelet.sock relays each
+        connection to it (_KubeletSocket; the relay adds about 0.3 ms to a fresh connection
+        and its first call). Without one, the server binds and listens in a private
+        directory and the socket is renamed into place: it appears already listening, with
+        no relay. Either way a killed kubelet leaves kubelet.sock behind, stale."""
+        gap = self.listen_gap if listen_gap is None else listen_gap
+        gate = gap if isinstance(gap, threading.Event) else None  # listen once it is set (tests)
+        gap = 0.0 if gate else gap() if callable(gap) else gap
         server = grpc.server(futures.ThreadPoolExecutor(16), handlers=[registration_handler(_Registration(self, inc))])
-        private = f"atedevd-standin/{os.getpid()}/{id(self):x}/{inc.n}/{time.monotonic_ns()}"
-        if server.add_insecure_port("unix-abstract:" + private) == 0:
-            raise OSError(f"cannot bind the abstract address {private!r}")
+        private = os.path.join(self.dir, ".standin", f"k{inc.n}-{time.monotonic_ns() % 10**6}.sock")  # short: sun_path
+        if not gate and not (gap and gap > 0) and len(os.fsencode(private)) <= 107:
+            os.makedirs(os.path.dirname(private), exist_ok=True)
+            if server.add_insecure_port("unix:" + private) == 0:
+                raise OSError(f"cannot bind {private}")
+            server.start()
+            ks = _RenamedSocket()
+            with self.cond:
+                inc.servers.append(server)
+                inc.listeners.append(ks)
+                self.serving_at = self.listening_at = ks.created_at = ks.listening_at = time.monotonic()
+            os.rename(private, self.socket)
+            with self.cond:
+                self.cond.notify_all()
+            return ks
+        abstract = f"atedevd-standin/{os.getpid()}/{id(self):x}/{inc.n}/{time.monotonic_ns()}"
+        if server.add_insecure_port("unix-abstract:" + abstract) == 0:
+            raise OSError(f"cannot bind the abstract address {abstract!r}")
         server.start()
         with self.cond:
             inc.servers.append(server)
-        ks = _KubeletSocket(self.socket, "\0" + private)
+        ks = _KubeletSocket(self.socket, "\0" + abstract)
         with self.cond:
             inc.listeners.append(ks)
             self.serving_at = ks.created_at
             self.listening_at = None
             self.cond.notify_all()
-        gap = self.listen_gap if listen_gap is None else listen_gap
-        gap = gap() if callable(gap) else gap
-        if gap and gap > 0:
+        if gate is not None:
+            gate.wait(60)
+        elif gap and gap > 0:
             time.sleep(gap)
         ks.listen()
         with self.cond:
@@ -954,6 +985,10 @@ class Kubelet:
                 inc.endpoints[name] = Endpoint(name, None, None, stopped_at=now)
             self.cond.notify_all()
 
+    def message_handled(self, client: "Client", resp, seconds: float) -> None:
+        """Called (lock held) after each ListAndWatch message is handled, with the time the
+        device manager's part took (device sets and checkpoint); for benchmarks to override."""
+
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(self)
@@ -1078,6 +1113,19 @@ class AdmissionLog:
         return total, spells, reasons
 
 
+class _RenamedSocket:
+    """kubelet.sock renamed into place already listening (no gap): the gRPC server owns it."""
+
+    upstream = None
+
+    def __init__(self):
+        self.created_at: Optional[float] = None
+        self.listening_at: Optional[float] = None
+
+    def close(self) -> None:
+        pass  # the server's stop() closes the listener; the file stays
+
+
 class _KubeletSocket:
     """kubelet.sock as Go's net.Listen makes it: bind (the file appears), then listen. Until
     listen(), connect() is refused (ECONNREFUSED: gRPC's UNAVAILABLE, "Connection refused");
@@ -1170,6 +1218,11 @@ class _KubeletSocket:
             except OSError:
                 pass
         self._sock.close()
+
+
+def _is_gap(value) -> bool:
+    return callable(value) or isinstance(value, threading.Event) or \
+        (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
 
 
 def _bind_unix(sock: socket.socket, path: str) -> None:

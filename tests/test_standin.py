@@ -80,20 +80,6 @@ def plugin(plugin_dir):
         p.stop()
 
 
-class Gate:
-    """A listen gap that lasts until open(): the test decides when kubelet listens."""
-
-    def __init__(self):
-        self.opened = threading.Event()
-
-    def __call__(self) -> float:
-        assert self.opened.wait(10), "the gate was never opened"
-        return 0.0
-
-    def open(self) -> None:
-        self.opened.set()
-
-
 def start_in_background(kubelet: Kubelet, **kwargs) -> threading.Thread:
     before = kubelet.serving_at
     t = threading.Thread(target=kubelet.start, kwargs=kwargs, daemon=True)
@@ -103,7 +89,7 @@ def start_in_background(kubelet: Kubelet, **kwargs) -> threading.Thread:
 
 
 def test_register_in_the_listen_gap_is_refused_and_after_it_is_accepted(plugin_dir, plugin):
-    gate = Gate()
+    gate = threading.Event()  # kubelet listens once it is set
     k = Kubelet(plugin_dir, listen_gap=gate)
     try:
         t = start_in_background(k)
@@ -115,14 +101,14 @@ def test_register_in_the_listen_gap_is_refused_and_after_it_is_accepted(plugin_d
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "Connection refused" in refused.value.details()
         assert k.register_calls == []
-        gate.open()
+        gate.set()
         t.join(10)
         assert k.listening_at is not None and k.listening_at >= k.serving_at
         register(k, p)
         assert k.wait_connected(RESOURCE, timeout=10)
         assert len(k.registrations) == 1
     finally:
-        gate.open()
+        gate.set()
         k.close()
 
 
@@ -133,14 +119,14 @@ def test_the_gap_applies_to_each_restart(plugin_dir, plugin):
     try:
         register(k, plugin())
         assert k.wait_connected(RESOURCE)
-        gate = Gate()
+        gate = threading.Event()
         k.kill()
         t = start_in_background(k, listen_gap=gate)
         p = plugin()
         with pytest.raises(grpc.RpcError) as refused:
             register(k, p)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        gate.open()
+        gate.set()
         t.join(10)
         register(k, p)
         assert k.wait_connected(RESOURCE, registrations=2)
@@ -183,10 +169,11 @@ def test_one_creation_event_of_kubelet_sock_per_start(plugin_dir):
         k.close()
 
 
-def test_a_kill_drops_connections_through_kubelet_sock(plugin_dir):
-    """Connections accepted on kubelet.sock are relayed to the Registration server; a killed
-    kubelet's connections drop, as the process's would."""
-    k = Kubelet(plugin_dir)
+@pytest.mark.parametrize("listen_gap", [0.0, 1e-6], ids=["renamed-in-listening", "relayed"])
+def test_a_kill_drops_connections_through_kubelet_sock(plugin_dir, listen_gap):
+    """kubelet.sock reaches the Registration server (through the relay when there is a
+    gap); a killed kubelet's connections drop, as the process's would."""
+    k = Kubelet(plugin_dir, listen_gap=listen_gap)
     k.start()
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -207,6 +194,9 @@ def test_listen_gap_must_be_seconds(plugin_dir):
         Kubelet(plugin_dir, listen_gap=-1)
     with pytest.raises(ValueError, match="listen_gap"):
         Kubelet(plugin_dir, listen_gap="1ms")
+    k = Kubelet(plugin_dir)
+    with pytest.raises(ValueError, match="listen_gap"):
+        k.start(listen_gap=-0.5)
 
 
 @pytest.mark.parametrize("mode", ["1.32", "current"])
@@ -245,3 +235,18 @@ def test_admission_follows_the_device_manager(plugin_dir, plugin, mode):
     assert total > 0 and spells == 1 and reasons == [f"no healthy devices present; cannot allocate unhealthy devices {RESOURCE}"], log.transitions
     down = next(at for at, s, _ in log.transitions if s == "down")
     assert log.rejected(admitted, down) == (0.0, 0, []) and log.samples > 0
+
+
+def test_kubelet_sock_beyond_sun_path(tmp_path):
+    """A plugin directory too long for a unix socket path (107 bytes) still gets its
+    kubelet.sock, bound through /proc/self/fd."""
+    plugin_dir = str(tmp_path / ("d" * 100) / "device-plugins")
+    k = Kubelet(plugin_dir, pod_resources=False)
+    try:
+        k.start()
+        assert len(os.fsencode(k.socket)) > 107
+        assert stat.S_ISSOCK(os.lstat(k.socket).st_mode)
+        k.restart()
+        assert stat.S_ISSOCK(os.lstat(k.socket).st_mode)
+    finally:
+        k.close()
