@@ -130,11 +130,12 @@ class Lifecycle:
         admitted = k.wait(lambda: self.log.state == "admit", timeout=END_STATE_TIMEOUT)
         t1 = time.monotonic()
         rejected, spells, reasons = self.log.rejected(t0, t1)
+        by_reason = self.log.rejected_by_reason(t0, t1)
         with k.cond:
             arrive = next((a - t0 for a in k.arrivals if a >= t0), None)
             healthy = next((h - t0 for h in k.healthy_at if h >= t0), None)
             listen = (k.listening_at - t0) if event.startswith("kubelet-") and k.listening_at else None
-        return {"rejected": rejected if admitted else None, "spells": spells, "reasons": reasons,
+        return {"rejected": rejected if admitted else None, "spells": spells, "reasons": reasons, "by_reason": by_reason,
                 "failure": failure, "arrive": arrive, "healthy": healthy, "listen": listen}
 
     def _stable(self) -> None:
@@ -168,28 +169,41 @@ def run(events: List[str], rounds: int, modes=MODES) -> List[Row]:
     return rows
 
 
+KINDS = (("cannot allocate unregistered device", "unregistered"), ("no healthy devices present", "0 healthy"),
+         ("unknown Device Plugin", "no endpoint"), ("has been stopped", "endpoint stopped"),
+         ("client connection is closing", "connection closed"), ("stream ended", "plugin gone"))
+
+
+def kind(reason: str) -> str:
+    """A short name for the reason kubelet would give (Kubelet.rejection)."""
+    return next((short for text, short in KINDS if text in reason), reason)
+
+
 def event_rows(event: str, mode: str, results: List[dict], rounds: int) -> List[Row]:
     on = f"{event} (kubelet {mode})"
     windows = [r["rejected"] for r in results if r["rejected"] is not None]
     rejecting = sum(1 for w in windows if w > 0)
     lost = sum(1 for r in results if r["rejected"] is None)
     failed = [r["failure"] for r in results if r["failure"]]
-    reasons: Dict[str, int] = {}
+    spent: Dict[str, float] = {}
     for r in results:
-        for why in r["reasons"]:
-            key = why.split(":")[0].split(" ate.dev")[0]
-            reasons[key] = reasons.get(key, 0) + 1
+        for why, seconds in r["by_reason"].items():
+            spent[kind(why)] = spent.get(kind(why), 0.0) + seconds
+    total = sum(spent.values())
     out = [("lifecycle", f"{on}: rejecting, p50/p99/max of {len(windows)}", stats(windows), "", "")]
     out.append(("lifecycle", f"  rounds with a rejection / never admitted again / end state missed",
                 f"{rejecting} / {lost} / {len(failed)} of {rounds}", "", ""))
+    if not event.startswith("kubelet-") and any(r["arrive"] is not None for r in results):
+        out.append(("lifecycle", "  event -> Register arrives", stats([r["arrive"] for r in results if r["arrive"] is not None]), "", ""))
     if event.startswith("kubelet-"):
         out.append(("lifecycle", "  kubelet.sock appears -> Register arrives", stats([r["arrive"] for r in results if r["arrive"] is not None]), "", ""))
         if event == "kubelet-listen-gap":
             late = [r["arrive"] - r["listen"] for r in results if r["arrive"] is not None and r["listen"] is not None]
             out.append(("lifecycle", "  kubelet listens -> Register arrives", stats(late), "", ""))
         out.append(("lifecycle", f"  kubelet.sock appears -> all units healthy", stats([r["healthy"] for r in results if r["healthy"] is not None]), "", ""))
-    if reasons:
-        out.append(("lifecycle", "  why (rounds)", "; ".join(f"{k} ({v})" for k, v in sorted(reasons.items())), "", ""))
+    if total > 0:
+        out.append(("lifecycle", "  why, share of the time rejecting", ", ".join(
+            f"{k} {v / total:.0%}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1])), "", ""))
     for f in failed[:2]:
         out.append(("lifecycle", "  end state missed", f[:110], "", ""))
     return out

@@ -2,6 +2,7 @@
 kubelet stand-in in this process with timestamps, atedevd as a process, and
 readings of that process from /proc."""
 
+import math
 import os
 import shutil
 import subprocess
@@ -156,5 +157,5 @@ def percentile(values, p: float) -> float:
     s = sorted(values)
     if not s:
         return float("nan")
-    k = max(0, min(len(s) - 1, int(round(p / 100 * len(s) + 0.5)) - 1))
+    k = max(0, min(len(s) - 1, math.ceil(p / 100 * len(s)) - 1))  # the ceil(p% of n)-th smallest
     return s[k]

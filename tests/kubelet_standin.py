@@ -1086,6 +1086,18 @@ class AdmissionLog:
                 found = state
             return found
 
+    def rejected_by_reason(self, t0: float, t1: float) -> Dict[str, float]:
+        """Seconds rejecting within [t0, t1], per reason kubelet would give."""
+        with self.kubelet.cond:
+            marks = list(self.transitions)
+        out: Dict[str, float] = {}
+        for i, (at, state, reason) in enumerate(marks):
+            end = marks[i + 1][0] if i + 1 < len(marks) else max(t1, at)
+            a, b = max(at, t0), min(end, t1)
+            if state == "reject" and b > a:
+                out[reason] = out.get(reason, 0.0) + b - a
+        return out
+
     def rejected(self, t0: float, t1: float) -> Tuple[float, int, List[str]]:
         """(seconds rejecting within [t0, t1], how many separate rejecting spells, their reasons)."""
         with self.kubelet.cond:
