@@ -1,5 +1,7 @@
 """`make bench`: start-up, re-registration, Allocate latency and throughput,
-health latency, the leak soak and idle CPU, as one table.
+health latency, the leak soak, idle CPU, the rejection window per lifecycle
+event (lifecycle) and Register -> healthy against the unit count (units), as
+one table.
 
     python -m bench [--quick] [--only NAME ...] [--rounds N] [--event EVENT ...]
 
