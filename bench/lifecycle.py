@@ -175,7 +175,7 @@ def run(events: List[str], rounds: int, modes=MODES) -> List[Row]:
     return rows
 
 
-KINDS = (("cannot allocate unregistered device", "unregistered"), ("no healthy devices present", "0 healthy"),
+KINDS = (("is not registered", "unregistered"), ("no healthy devices present", "0 healthy"),
          ("unknown Device Plugin", "no endpoint"), ("has been stopped", "endpoint stopped"),
          ("client connection is closing", "connection closed"), ("stream ended", "plugin gone"))
 

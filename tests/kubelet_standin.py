@@ -679,10 +679,12 @@ class Kubelet:
 
     def rejection(self, resource: str, inc: Optional[_Incarnation] = None) -> Optional[str]:
         """Why kubelet would reject a pod requesting one unit of `resource` right now
-        (UnexpectedAdmissionError: kubelet does not retry it), None if it would admit it, DOWN
-        if no kubelet runs (a pod then waits, it is not rejected). At admission kubelet's
-        Allocate (allocateContainerResources) checks, in order: devicesToAllocate (the resource
-        is in the healthy sets, has a healthy device, enough of them free: no pods here), the
+        (UnexpectedAdmissionError; OutOf<resource> for a resource never registered: kubelet
+        retries neither), None if it would admit it, DOWN if no kubelet runs (a pod then
+        waits, it is not rejected). A resource absent from the healthy sets is not the device
+        manager's (isDevicePluginResource) and the node has none of it; otherwise kubelet's
+        Allocate (allocateContainerResources) checks, in order: devicesToAllocate (a healthy
+        device, enough of them free: no pods here), the
         resource's endpoint (known, not stopped), then the Allocate RPC on its connection, which
         fails if kubelet closed that connection or the plugin is gone; for the last, an ended
         ListAndWatch stream stands in (a plugin that died or stopped serving ended it; a stream
@@ -692,8 +694,8 @@ class Kubelet:
             inc = inc or self.inc
             if not inc.alive:
                 return DOWN
-            if resource not in inc.healthy:
-                return f"cannot allocate unregistered device {resource}"
+            if resource not in inc.healthy:  # isDevicePluginResource: no; the node's allocatable decides
+                return f"{resource} is not registered: the node has none (Node didn't have enough resource: {resource})"
             if not inc.healthy[resource]:
                 return f"no healthy devices present; cannot allocate unhealthy devices {resource}"
             e = inc.endpoints.get(resource)
