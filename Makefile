@@ -2,7 +2,7 @@
 PYTHON ?= /usr/bin/python3
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: deps demo check test test-latest bench bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
+.PHONY: deps demo check test test-latest bench bench-lifecycle bench-units bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
 
 # Debian 12's own packages: the runtime floor we test, and the tools the tests drive.
 deps:
@@ -32,6 +32,15 @@ test-latest:
 
 bench: deps
 	$(PYTHON) -m bench
+
+# The rejection window per lifecycle event and kubelet mode: ROUNDS rounds per row (default
+# 100; QUICK=1: 10), EVENTS a subset (bench/lifecycle.py lists them).
+bench-lifecycle: deps
+	$(PYTHON) -m bench --only lifecycle $(if $(QUICK),--quick) $(if $(filter command line environment,$(origin ROUNDS)),--rounds $(ROUNDS)) $(foreach e,$(EVENTS),--event $(e))
+
+# Register -> all units healthy in kubelet against the configured count.
+bench-units: deps
+	$(PYTHON) -m bench --only units $(if $(QUICK),--quick) $(if $(filter command line environment,$(origin ROUNDS)),--rounds $(ROUNDS))
 
 # The registration scenario matrix, ROUNDS rounds per scenario and kubelet mode (CI runs 3).
 ROUNDS ?= 1000

@@ -1,7 +1,12 @@
 """`make bench`: start-up, re-registration, Allocate latency and throughput,
-health latency, the leak soak and idle CPU, as one table.
+health latency, the leak soak, idle CPU, the rejection window per lifecycle
+event (lifecycle) and Register -> healthy against the unit count (units), as
+one table.
 
-    python -m bench [--quick] [--only NAME ...]
+    python -m bench [--quick] [--only NAME ...] [--rounds N] [--event EVENT ...]
+
+`--rounds` and `--event` select what the lifecycle and units benchmarks run
+(`make bench-lifecycle ROUNDS=100 EVENTS="kubelet-restart stream-ended"`).
 
 The daemon runs as a process (as systemd runs it) with the default config:
 one device, 4096 units. The kubelet stand-in runs in this process; Allocate
@@ -11,6 +16,7 @@ benchmark could not run.
 """
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -32,14 +38,28 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small counts: a smoke run")
     p.add_argument("--only", action="append", choices=sorted(BENCHES), metavar="NAME",
                    help=f"run only this benchmark (repeatable): {', '.join(BENCHES)}")
+    p.add_argument("--rounds", type=int, metavar="N", help="rounds per row (benchmarks that take it: lifecycle, units)")
+    p.add_argument("--event", action="append", metavar="EVENT", help="lifecycle events to run (repeatable; default all)")
     args = p.parse_args(argv)
     names = args.only or list(BENCHES)
+    if args.rounds is not None and args.rounds < 1:
+        p.error(f"--rounds must be at least 1, not {args.rounds}")
+    if args.event:
+        from bench.lifecycle import EVENTS
+
+        unknown = [e for e in args.event if e not in EVENTS]
+        if unknown:
+            p.error(f"unknown event(s) {', '.join(unknown)}; known: {', '.join(EVENTS)}")
     rows = []
     t0 = time.monotonic()
     for name in names:
         t = time.monotonic()
         print(f"running {name}...", file=sys.stderr, flush=True)
-        rows += BENCHES[name](args.quick)
+        fn = BENCHES[name]
+        takes = inspect.signature(fn).parameters
+        extra = {key: value for key, value in (("rounds", args.rounds), ("events", args.event))
+                 if value is not None and key in takes}
+        rows += fn(args.quick, **extra)
         print(f"  {name}: {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)
     import grpc
 

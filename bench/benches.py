@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 from array import array
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from atedevd.plugin import PRESTARTED_WORKERS as WORKERS
 from bench.rig import BusyCore, Rig, TimedKubelet, cpu_seconds, percentile, snapshot
@@ -363,6 +363,20 @@ def idle(quick: bool) -> List[Row]:
     ]
 
 
+def lifecycle(quick: bool, rounds: Optional[int] = None, events: Optional[List[str]] = None) -> List[Row]:
+    """The rejection window per lifecycle event and kubelet mode (bench.lifecycle)."""
+    from bench import lifecycle as lc
+
+    return lc.run(events or list(lc.EVENTS), rounds or (10 if quick else 100))
+
+
+def units(quick: bool, rounds: Optional[int] = None) -> List[Row]:
+    """Register -> all units healthy in kubelet for 256 ... 16384 units (bench.units)."""
+    from bench import units as u
+
+    return u.run(rounds or (5 if quick else 30))
+
+
 BENCHES = {
     "startup": startup,
     "rereg": rereg,
@@ -372,4 +386,6 @@ BENCHES = {
     "health": health,
     "soak": soak,
     "idle": idle,
+    "lifecycle": lifecycle,
+    "units": units,
 }

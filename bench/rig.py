@@ -2,6 +2,7 @@
 kubelet stand-in in this process with timestamps, atedevd as a process, and
 readings of that process from /proc."""
 
+import math
 import os
 import shutil
 import subprocess
@@ -26,7 +27,8 @@ class TimedKubelet(Kubelet):
         self.first_message = {}  # id(client) -> monotonic time of its first ListAndWatch message
         self.track_health = False
         self.health = None  # (monotonic time, healthy units) of the newest message
-        self.healthy_at = []  # monotonic times a message left all 4096 units healthy in kubelet
+        self.units = 4096  # the daemon's configured count
+        self.healthy_at = []  # monotonic times a message left all `units` healthy in kubelet
 
     def Register(self, request, context):
         now = time.monotonic()
@@ -43,7 +45,7 @@ class TimedKubelet(Kubelet):
             c = self.clients.get(RESOURCE)
             if c is not None:
                 self.health = (now, sum(1 for h in c.devices.values() if h == "Healthy"))
-        if len(self.inc.healthy.get(RESOURCE, ())) == 4096:
+        if len(self.inc.healthy.get(RESOURCE, ())) == self.units:
             self.healthy_at.append(now)
         super().write_checkpoint()
 
@@ -91,9 +93,10 @@ class Rig:
         """The daemon's current socket (a new file per registration)."""
         return current_socket(self.plugin_dir, kubelet=self.kubelet)
 
-    def start(self, env=None, log_level: str = "info") -> Daemon:
+    def start(self, env=None, log_level: str = "info", config: Optional[str] = None) -> Daemon:
         env = {**unit_environment(), **(env or {})}  # measured as the unit runs it
-        self.daemon = Daemon(os.path.join(self.root, "run"), self.plugin_dir, self.dev_root, env=env, log_level=log_level)
+        self.daemon = Daemon(os.path.join(self.root, "run"), self.plugin_dir, self.dev_root, config=config, env=env,
+                             log_level=log_level)
         return self.daemon
 
     def start_registered(self, env=None) -> Daemon:
@@ -154,5 +157,5 @@ def percentile(values, p: float) -> float:
     s = sorted(values)
     if not s:
         return float("nan")
-    k = max(0, min(len(s) - 1, int(round(p / 100 * len(s) + 0.5)) - 1))
+    k = max(0, min(len(s) - 1, math.ceil(p / 100 * len(s)) - 1))  # the ceil(p% of n)-th smallest
     return s[k]

@@ -33,7 +33,12 @@ real kubelet's: kill (connections drop, kubelet.sock stays, stale), then the
 new process reads the checkpoint, wipes the sockets in the directory (only
 sockets, only the directory itself: subdirectories are skipped) and serves a
 new kubelet.sock at once (`gap`, default 0, puts a pause between the wipe and
-serving). The pod-resources API v1 (GetAllocatableResources, a minimal List)
+serving). kubelet.sock is made as Go's net.Listen makes it: bound (the file
+appears: exactly one creation event per start), then listened on; a Register
+sent in between is refused (ECONNREFUSED, gRPC UNAVAILABLE). `listen_gap`
+(constructor, or per start/restart/recreate_socket; default 0: kubelet's code
+has nothing between the two system calls, a real gap is the thread being
+descheduled there) widens it. The pod-resources API v1 (GetAllocatableResources, a minimal List)
 is served on `<root>/pod-resources/kubelet.sock`, root being the parent of the
 plugin directory, returning what kubelet returns: the devices in the
 resource's healthy set (which a stop empties and any later ListAndWatch
@@ -45,9 +50,15 @@ before_set_endpoint, before_return (Register), before_stream (ListAndWatch
 goroutine), teardown (after a stream ends, before the lookup by name/path),
 teardown_lookup (between that lookup and the deregistration).
 
+Admission: `rejection(resource)` says why kubelet would reject (UnexpectedAdmissionError)
+a pod requesting the resource right now, as the device manager's Allocate checks at
+admission; `record_admission(resource)` logs it at every change and every millisecond,
+for the rejection-window benchmark.
+
 Used in-process by the tests and benchmarks (`Kubelet`), and as a script in the
 systemd container and the demo:
   kubelet_standin.py serve --plugin-dir DIR --state FILE [--kubelet 1.32|current]
+      [--gap S] [--listen-gap S]
       (SIGHUP: restart like kubelet; SIGTERM: exit, leaving a stale socket)
   kubelet_standin.py allocate --plugin-dir DIR --resource R --ids a,b
 """
@@ -65,7 +76,7 @@ import tempfile
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import grpc
 
@@ -153,10 +164,12 @@ class Client:
                 with k.cond:
                     if not self.inc.alive:
                         break
+                    t = time.perf_counter()
                     self.devices = {d.ID: d.health for d in resp.devices}
                     self.connected = True
                     k.updates += 1
                     self.inc.device_update(self.resource, resp.devices)
+                    k.message_handled(self, resp, time.perf_counter() - t)
                     k.cond.notify_all()
         except (grpc.RpcError, ValueError):  # ValueError: the channel closed before the call began
             pass
@@ -200,7 +213,8 @@ class _Incarnation:
         self.unhealthy: Dict[str, set] = {}
         self.all_devices: Dict[str, Dict[str, tuple]] = {}  # name -> id -> (health, numa ids)
         self.channels: set = set()
-        self.servers: List[grpc.Server] = []
+        self.listeners: list = []  # kubelet.sock: a _KubeletSocket or _RenamedSocket
+        self.servers: List[grpc.Server] = []  # Registration (first), pod-resources
 
     # --- the device manager (manager.go), called with the lock held ---------------------
 
@@ -250,9 +264,12 @@ class _Incarnation:
 class Kubelet:
     def __init__(self, plugin_dir: str, kubelet: str = "current", wipe: str = "sockets", on_change=None,
                  grace: float = GRACE_PERIOD_S, delays: Optional[Dict[str, Delay]] = None,
-                 pod_resources: bool = True, dial_timeout: float = DIAL_TIMEOUT_S):
+                 pod_resources: bool = True, dial_timeout: float = DIAL_TIMEOUT_S, listen_gap: Delay = 0.0):
         if kubelet not in MODES:
             raise ValueError(f"kubelet must be one of {MODES}, not {kubelet!r}")
+        if not _is_gap(listen_gap):
+            raise ValueError(f"listen_gap must be seconds >= 0, a callable returning them or a threading.Event, "
+                             f"not {listen_gap!r}")
         unknown = set(delays or ()) - set(DELAY_STEPS)
         if unknown:
             raise ValueError(f"unknown delay steps {sorted(unknown)}; known: {DELAY_STEPS}")
@@ -265,7 +282,8 @@ class Kubelet:
         self.grace = grace
         self.delays: Dict[str, Delay] = dict(delays or {})
         self.dial_timeout = dial_timeout
-        self.cond = threading.Condition()  # an RLock: kubelet's mutexes, never held across a delay or an RPC
+        self.listen_gap = listen_gap  # seconds (or a callable) from kubelet.sock's bind to its listen
+        self.cond = _Condition()  # an RLock: kubelet's mutexes, never held across a delay or an RPC
         self._started = 0
         self.inc = _Incarnation(self, 0)
         self.inc.alive = False
@@ -275,7 +293,8 @@ class Kubelet:
         self.registrations: List[dict] = []  # the accepted ones (Register returned OK)
         self.rejections: List[str] = []  # error texts of the refused ones
         self.marks: List[int] = []
-        self.serving_at: Optional[float] = None
+        self.serving_at: Optional[float] = None  # when the newest kubelet.sock appeared (bound)
+        self.listening_at: Optional[float] = None  # ... and when kubelet listened on it
         self._on_change = on_change
 
     # --- process life ---------------------------------------------------------
@@ -289,46 +308,84 @@ class Kubelet:
         """Which kubelet process this is (1, 2, ...: every start, restart or not)."""
         return self.inc.n
 
-    def start(self, gap: float = 0.0) -> None:
-        """What a starting kubelet does: restore from the checkpoint, wipe the sockets, serve kubelet.sock."""
+    def start(self, gap: float = 0.0, listen_gap: Optional[Delay] = None) -> None:
+        """What a starting kubelet does: restore from the checkpoint, wipe the sockets, serve
+        kubelet.sock (`gap` seconds after the wipe; listening `listen_gap` seconds after the
+        file appears, the constructor's `listen_gap` if None; a threading.Event: once it is
+        set). Returns once it listens."""
+        if listen_gap is not None and not _is_gap(listen_gap):
+            raise ValueError(f"listen_gap must be seconds >= 0, a callable returning them or a threading.Event, "
+                             f"not {listen_gap!r}")
         with self.cond:
             if self.inc.alive:
                 raise RuntimeError("already running")
             self._started += 1
             self.inc = _Incarnation(self, self._started)
             inc = self.inc
+            self.cond.notify_all()
         os.makedirs(self.dir, exist_ok=True)
         self._read_checkpoint(inc)
         self.wipe()
         if gap:
             time.sleep(gap)
-        self._serve(inc)
+        self._serve(inc, listen_gap)
 
-    def _listen(self, inc: _Incarnation) -> grpc.Server:
-        """Serve Registration on kubelet.sock. grpc unlinks the path it bound when it
-        stops, where a killed kubelet leaves its file: so bind in a private directory
-        and rename the socket into place (one event, as kubelet's bind makes one).
-        `serving_at` is the moment kubelet.sock appears, already accepting."""
-        private = os.path.join(self.dir, ".standin")
-        os.makedirs(private, exist_ok=True)
-        bound = os.path.join(private, f"k{inc.n}-{time.monotonic_ns() % 10**6}.sock")  # short: sun_path
-        if len(os.fsencode(bound)) > 107:  # no room: bind in place (grpc will unlink it on stop)
-            bound = self.socket
+    def _listen(self, inc: _Incarnation, listen_gap: Optional[Delay]):
+        """Serve Registration on kubelet.sock, the file appearing once (one creation event,
+        stamped `serving_at`) and kubelet listening on it `listen_gap` seconds later (stamped
+        `listening_at`); a Register sent in between is refused (ECONNREFUSED).
+
+        With a gap, kubelet.sock is bound at once and listened on after the gap, as Go's
+        net.Listen does (bind, then listen); Python's gRPC server binds and listens in one
+        step, so it serves on a private abstract address and kubelet.sock relays each
+        connection to it (_KubeletSocket; the relay adds about 0.3 ms to a fresh connection
+        and its first call). Without one, the server binds and listens in a private
+        directory and the socket is renamed into place: it appears already listening, with
+        no relay. Either way a killed kubelet leaves kubelet.sock behind, stale."""
+        gap = self.listen_gap if listen_gap is None else listen_gap
+        gate = gap if isinstance(gap, threading.Event) else None  # listen once it is set (tests)
+        gap = 0.0 if gate else gap() if callable(gap) else gap
         server = grpc.server(futures.ThreadPoolExecutor(16), handlers=[registration_handler(_Registration(self, inc))])
-        if server.add_insecure_port("unix:" + bound) == 0:
-            raise OSError(f"cannot bind {bound}")
+        private = os.path.join(self.dir, ".standin", f"k{inc.n}-{time.monotonic_ns() % 10**6}.sock")  # short: sun_path
+        if not gate and not (gap and gap > 0) and len(os.fsencode(private)) <= 107:
+            os.makedirs(os.path.dirname(private), exist_ok=True)
+            if server.add_insecure_port("unix:" + private) == 0:
+                raise OSError(f"cannot bind {private}")
+            server.start()
+            ks = _RenamedSocket()
+            with self.cond:
+                inc.servers.append(server)
+                inc.listeners.append(ks)
+                self.serving_at = self.listening_at = ks.created_at = ks.listening_at = time.monotonic()
+            os.rename(private, self.socket)
+            with self.cond:
+                self.cond.notify_all()
+            return ks
+        abstract = f"atedevd-standin/{os.getpid()}/{id(self):x}/{inc.n}/{time.monotonic_ns()}"
+        if server.add_insecure_port("unix-abstract:" + abstract) == 0:
+            raise OSError(f"cannot bind the abstract address {abstract!r}")
         server.start()
         with self.cond:
-            self.serving_at = time.monotonic()
-        if bound != self.socket:
-            os.rename(bound, self.socket)
-        return server
-
-    def _serve(self, inc: _Incarnation) -> None:
-        server = self._listen(inc)
-        with self.cond:
             inc.servers.append(server)
+        ks = _KubeletSocket(self.socket, "\0" + abstract)
+        with self.cond:
+            inc.listeners.append(ks)
+            self.serving_at = ks.created_at
+            self.listening_at = None
             self.cond.notify_all()
+        if gate is not None:
+            gate.wait(60)
+        elif gap and gap > 0:
+            time.sleep(gap)
+        ks.listen()
+        with self.cond:
+            if ks.listening_at is not None:
+                self.listening_at = ks.listening_at
+            self.cond.notify_all()
+        return ks
+
+    def _serve(self, inc: _Incarnation, listen_gap: Optional[Delay] = None) -> None:
+        self._listen(inc, listen_gap)
         if self.pod_resources_socket:
             os.makedirs(os.path.dirname(self.pod_resources_socket), exist_ok=True)
             try:
@@ -351,8 +408,11 @@ class Kubelet:
                 return
             inc.alive = False
             channels, inc.channels = list(inc.channels), set()
+            listeners, inc.listeners = list(inc.listeners), []
             servers, inc.servers = list(inc.servers), []
             self.cond.notify_all()
+        for ks in listeners:  # kubelet.sock stays, stale: connecting to it is refused
+            ks.close()
         for ch in channels:
             _close(ch)
         for s in servers:
@@ -362,28 +422,33 @@ class Kubelet:
             _stale_socket(path)
         self._changed()
 
-    def restart(self, gap: float = 0.0) -> None:
-        """Die, then start again back to back (`gap` seconds between the wipe and kubelet.sock)."""
+    def restart(self, gap: float = 0.0, listen_gap: Optional[Delay] = None) -> None:
+        """Die, then start again back to back (`gap` seconds between the wipe and kubelet.sock,
+        `listen_gap` between kubelet.sock appearing and kubelet listening on it)."""
         self.kill()
         with self.cond:
             self.restarts += 1
-        self.start(gap)
+        self.start(gap, listen_gap)
 
-    def recreate_socket(self) -> None:
+    def recreate_socket(self, listen_gap: Optional[Delay] = None) -> None:
         """What newer kubelets can do without restarting: serve a new kubelet.sock, keep clients."""
         with self.cond:
             inc = self.inc
-            old = inc.servers[0] if inc.servers else None
+            old = inc.listeners.pop(0) if inc.listeners else None
+            old_server = inc.servers.pop(0) if inc.servers else None  # the Registration server comes first
         if old is not None:
-            old.stop(None).wait(5)
+            old.close()
+        if old_server is not None:
+            old_server.stop(None).wait(5)
         try:
             os.unlink(self.socket)  # kubelet's listener replaces its socket
         except FileNotFoundError:
             pass
-        server = self._listen(inc)
-        with self.cond:
-            if old is not None:
-                inc.servers.remove(old)
+        ks = self._listen(inc, listen_gap)
+        with self.cond:  # first again: the next recreate_socket replaces it
+            inc.listeners.remove(ks)
+            inc.listeners.insert(0, ks)
+            server = inc.servers.pop()
             inc.servers.insert(0, server)
             self.cond.notify_all()
         self._changed()
@@ -609,6 +674,49 @@ class Kubelet:
                             resp.devices.add(resource_name=name, device_ids=[dev_id],
                                              topology=prpb.TopologyInfo(nodes=[prpb.NUMANode(ID=n)]))
         return resp
+
+    # --- admission (the device manager's part of admitting a pod) ---------------------------
+
+    def rejection(self, resource: str, inc: Optional[_Incarnation] = None) -> Optional[str]:
+        """Why kubelet would reject a pod requesting one unit of `resource` right now
+        (UnexpectedAdmissionError; OutOf<resource> for a resource never registered: kubelet
+        retries neither), None if it would admit it, DOWN if no kubelet runs (a pod then
+        waits, it is not rejected). A resource absent from the healthy sets is not the device
+        manager's (isDevicePluginResource) and the node has none of it; otherwise kubelet's
+        Allocate (allocateContainerResources) checks, in order: devicesToAllocate (a healthy
+        device, enough of them free: no pods here), the
+        resource's endpoint (known, not stopped), then the Allocate RPC on its connection, which
+        fails if kubelet closed that connection or the plugin is gone; for the last, an ended
+        ListAndWatch stream stands in (a plugin that died or stopped serving ended it; a stream
+        kubelet itself ended is counted from then on, a little early). Same in both modes: the
+        current endpoint is what Allocate uses."""
+        with self.cond:
+            inc = inc or self.inc
+            if not inc.alive:
+                return DOWN
+            if resource not in inc.healthy:  # isDevicePluginResource: no; the node's allocatable decides
+                return f"{resource} is not registered: the node has none (Node didn't have enough resource: {resource})"
+            if not inc.healthy[resource]:
+                return f"no healthy devices present; cannot allocate unhealthy devices {resource}"
+            e = inc.endpoints.get(resource)
+            if e is None:
+                return f"unknown Device Plugin {resource}"
+            if e.stopped_at is not None:
+                return f"endpoint {e!r} has been stopped"
+            c = e.client
+            if c is None or c.closed or c.channel is None:
+                return f"endpoint {e!r}: grpc: the client connection is closing"
+            if c.stream_ended_at is not None:
+                return f"endpoint {e!r}: the plugin's stream ended (Allocate would fail)"
+            return None
+
+    def admits(self, resource: str) -> bool:
+        return self.rejection(resource) is None
+
+    def record_admission(self, resource: str, period: float = 0.001) -> "AdmissionLog":
+        """Start recording, every `period` and at every change kubelet notifies, whether a pod
+        requesting `resource` would be admitted; stop() the log when done."""
+        return AdmissionLog(self, resource, period).start()
 
     # --- what tests ask ------------------------------------------------------------
 
@@ -877,10 +985,270 @@ class Kubelet:
                 inc.healthy[name] = set()
                 inc.unhealthy[name] = set()
                 inc.endpoints[name] = Endpoint(name, None, None, stopped_at=now)
+            self.cond.notify_all()
+
+    def message_handled(self, client: "Client", resp, seconds: float) -> None:
+        """Called (lock held) after each ListAndWatch message is handled, with the time the
+        device manager's part took (device sets and checkpoint); for benchmarks to override."""
 
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(self)
+
+
+class _Condition(threading.Condition):
+    """The stand-in's lock and condition. Every change to kubelet's state is followed by
+    notify_all() with the lock held: `on_change` callbacks run right there, so a change is
+    seen the moment it is made (the admission log stamps it), not when a waiter next runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.on_change: List[Callable[[], None]] = []
+
+    def notify_all(self) -> None:
+        for fn in self.on_change:
+            fn()
+        super().notify_all()
+
+    notifyAll = notify_all
+
+
+DOWN = "kubelet is not running"  # Kubelet.rejection(): no kubelet, so no admission (nothing rejected)
+
+
+class AdmissionLog:
+    """Kubelet.rejection() looked at whenever the stand-in changes kubelet's state (at the
+    change, under its lock) and every `period` seconds besides (1 ms: changes made without a
+    notification, and time), kept as transitions: (time, state, reason) with state "admit",
+    "reject" or "down", one whenever the reason changes. `rejected(t0, t1)` sums the time kubelet would have rejected a pod in
+    [t0, t1]. `max_gap` is the widest gap between the periodic samples (a loaded machine)."""
+
+    def __init__(self, kubelet: "Kubelet", resource: str, period: float = 0.001):
+        if not period > 0:
+            raise ValueError(f"period must be > 0 seconds, not {period!r}")
+        self.kubelet = kubelet
+        self.resource = resource
+        self.period = period
+        self.transitions: List[tuple] = []
+        self.samples = 0
+        self.max_gap = 0.0
+        self._running = False
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "AdmissionLog":
+        self._running = True
+        with self.kubelet.cond:
+            self.kubelet.cond.on_change.append(self._look)
+            self._look()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="admission")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self.kubelet.cond:
+            self._running = False
+            if self._look in self.kubelet.cond.on_change:
+                self.kubelet.cond.on_change.remove(self._look)
+            self.kubelet.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _look(self) -> None:
+        """With the lock held: log the state if it changed."""
+        reason = self.kubelet.rejection(self.resource)
+        state = "admit" if reason is None else "down" if reason == DOWN else "reject"
+        if not self.transitions or self.transitions[-1][2] != reason:
+            self.transitions.append((time.monotonic(), state, reason))
+
+    def _run(self) -> None:
+        cond = self.kubelet.cond
+        last_at = None
+        with cond:
+            while self._running:
+                now = time.monotonic()
+                self._look()
+                if last_at is not None:
+                    self.max_gap = max(self.max_gap, now - last_at)
+                last_at = now
+                self.samples += 1
+                threading.Condition.wait(cond, self.period)  # woken by changes too: then it looks again
+
+    @property
+    def state(self) -> Optional[str]:
+        """The newest state logged."""
+        with self.kubelet.cond:
+            return self.transitions[-1][1] if self.transitions else None
+
+    def state_at(self, t: float) -> Optional[str]:
+        with self.kubelet.cond:
+            found = None
+            for at, state, _ in self.transitions:
+                if at > t:
+                    break
+                found = state
+            return found
+
+    def rejected_by_reason(self, t0: float, t1: float) -> Dict[str, float]:
+        """Seconds rejecting within [t0, t1], per reason kubelet would give."""
+        with self.kubelet.cond:
+            marks = list(self.transitions)
+        out: Dict[str, float] = {}
+        for i, (at, state, reason) in enumerate(marks):
+            end = marks[i + 1][0] if i + 1 < len(marks) else max(t1, at)
+            a, b = max(at, t0), min(end, t1)
+            if state == "reject" and b > a:
+                out[reason] = out.get(reason, 0.0) + b - a
+        return out
+
+    def rejected(self, t0: float, t1: float) -> Tuple[float, int, List[str]]:
+        """(seconds rejecting within [t0, t1], how many separate rejecting spells, their reasons)."""
+        with self.kubelet.cond:
+            marks = list(self.transitions)
+        merged = []  # [start, end, reasons] of each run of "reject" entries
+        for i, (at, state, reason) in enumerate(marks):
+            end = marks[i + 1][0] if i + 1 < len(marks) else max(t1, at)
+            if state != "reject":
+                continue
+            if merged and merged[-1][1] == at:
+                merged[-1][1] = end
+                merged[-1][2].append((at, end, reason))
+            else:
+                merged.append([at, end, [(at, end, reason)]])
+        total, spells, reasons = 0.0, 0, []
+        for start, end, parts in merged:
+            a, b = max(start, t0), min(end, t1)
+            if b <= a:
+                continue
+            total += b - a
+            spells += 1
+            for pa, pb, reason in parts:
+                if min(pb, t1) > max(pa, t0) and reason not in reasons:
+                    reasons.append(reason)
+        return total, spells, reasons
+
+
+class _RenamedSocket:
+    """kubelet.sock renamed into place already listening (no gap): the gRPC server owns it."""
+
+    upstream = None
+
+    def __init__(self):
+        self.created_at: Optional[float] = None
+        self.listening_at: Optional[float] = None
+
+    def close(self) -> None:
+        pass  # the server's stop() closes the listener; the file stays
+
+
+class _KubeletSocket:
+    """kubelet.sock as Go's net.Listen makes it: bind (the file appears), then listen. Until
+    listen(), connect() is refused (ECONNREFUSED: gRPC's UNAVAILABLE, "Connection refused");
+    after close() the file stays, stale, and connecting is refused again, as after a kill.
+    Each accepted connection is relayed to `upstream` (the Registration server's private
+    abstract address) by two threads copying bytes, one per direction."""
+
+    def __init__(self, path: str, upstream: str):
+        self.path = path
+        self.upstream = upstream
+        self.created_at: Optional[float] = None
+        self.listening_at: Optional[float] = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._relayed: List[socket.socket] = []
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            _bind_unix(self._sock, path)
+        except OSError as e:
+            self._sock.close()
+            raise OSError(e.errno, f"cannot bind {path}: {e.strerror}") from None
+        self.created_at = time.monotonic()
+
+    def listen(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._sock.listen(4096)  # Go: net.core.somaxconn
+            self.listening_at = time.monotonic()
+        threading.Thread(target=self._accept, daemon=True, name="kubelet.sock").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                up.connect(self.upstream)
+            except OSError:
+                conn.close()
+                up.close()
+                continue
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    up.close()
+                    return
+                self._relayed += [conn, up]
+            pair = [2]  # pumps still running; the last one closes both sockets
+            for src, dst in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pump, args=(src, dst, conn, up, pair), daemon=True,
+                                 name="kubelet.sock relay").start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, a: socket.socket, b: socket.socket, pair: list) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        try:
+            dst.shutdown(socket.SHUT_WR)  # pass the end of stream on
+        except OSError:
+            pass
+        with self._lock:
+            pair[0] -= 1
+            last = pair[0] == 0
+            if last:
+                for s in (a, b):
+                    if s in self._relayed:
+                        self._relayed.remove(s)
+        if last:
+            a.close()
+            b.close()
+
+    def close(self) -> None:
+        """The process dies: the listener closes (the file stays), relayed connections drop."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            relayed = list(self._relayed)
+        for s in [self._sock] + relayed:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes accept() and recv() in the other threads
+            except OSError:
+                pass
+        self._sock.close()
+
+
+def _is_gap(value) -> bool:
+    return callable(value) or isinstance(value, threading.Event) or \
+        (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
+
+
+def _bind_unix(sock: socket.socket, path: str) -> None:
+    """bind() at `path`, through /proc/self/fd when the path does not fit in sun_path (107 bytes)."""
+    if len(os.fsencode(path)) <= 107:
+        sock.bind(path)
+        return
+    dfd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY)
+    try:
+        sock.bind(f"/proc/self/fd/{dfd}/{os.path.basename(path)}")
+    finally:
+        os.close(dfd)
 
 
 _TLS = threading.local()  # the kubelet process whose server is handling this thread's call
@@ -994,7 +1362,7 @@ def _serve(args) -> int:
             _write_state(args.state, k)
 
     kubelet = Kubelet(args.plugin_dir, kubelet=args.kubelet, on_change=on_change if args.state else None,
-                      grace=args.grace, pod_resources=not args.no_pod_resources)
+                      grace=args.grace, pod_resources=not args.no_pod_resources, listen_gap=args.listen_gap)
     restart = threading.Event()
     stop = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: restart.set())
@@ -1051,6 +1419,8 @@ def main(argv=None) -> int:
     s.add_argument("--state")
     s.add_argument("--kubelet", default="current", choices=MODES)
     s.add_argument("--gap", type=float, default=0.0, help="seconds between the wipe and serving again on restart")
+    s.add_argument("--listen-gap", type=float, default=0.0,
+                   help="seconds between kubelet.sock appearing and kubelet listening on it (Register refused meanwhile)")
     s.add_argument("--grace", type=float, default=GRACE_PERIOD_S, help="seconds a stopped endpoint's resource is kept")
     s.add_argument("--no-pod-resources", action="store_true", help="do not serve <root>/pod-resources/kubelet.sock")
     a = sub.add_parser("allocate")

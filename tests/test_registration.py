@@ -39,7 +39,9 @@ def rng(request):
 def kubelet(plugin_dir, kubelet_mode, rng):
     """The stand-in with every step of Register and of a stream's teardown delayed by 0–30 ms."""
     delays = {step: (lambda: rng.uniform(0, MAX_DELAY)) for step in DELAY_STEPS}
-    k = Kubelet(plugin_dir, kubelet=kubelet_mode, delays=delays, grace=5.0)
+    # kubelet.sock is bound a moment before it is listened on, as net.Listen does: the first
+    # Register can be refused.
+    k = Kubelet(plugin_dir, kubelet=kubelet_mode, delays=delays, grace=5.0, listen_gap=lambda: rng.uniform(0, 0.005))
     k.start()
     yield k
     k.close()

@@ -1,0 +1,252 @@
+"""The kubelet stand-in itself: kubelet.sock bound before kubelet listens on it (as Go's
+net.Listen does), one creation event of kubelet.sock per kubelet start, and the admission
+check (would kubelet admit a pod requesting the resource right now?).
+
+A tiny device plugin in this process stands in for the daemon, so each step is driven
+and waited for here, not timed.
+"""
+
+import os
+import socket
+import stat
+import threading
+from concurrent import futures
+
+import grpc
+import inotify.adapters
+import inotify.constants as c
+import pytest
+
+from atedevd.api import API_VERSION, RegistrationStub, device_plugin_handler, pb
+from tests.kubelet_standin import DOWN, KUBELET_SOCKET, Kubelet
+
+RESOURCE = "example.com/thing"
+
+
+class Plugin:
+    """A device plugin serving two healthy devices on `<plugin_dir>/<name>` until stop()."""
+
+    def __init__(self, plugin_dir: str, name: str):
+        self.name = name
+        self.path = os.path.join(plugin_dir, name)
+        self.stopping = threading.Event()
+        self.server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[device_plugin_handler(self)])
+        assert self.server.add_insecure_port("unix:" + self.path) == 1
+        self.server.start()
+
+    def GetDevicePluginOptions(self, request, context):
+        return pb.DevicePluginOptions()
+
+    def ListAndWatch(self, request, context):
+        yield pb.ListAndWatchResponse(devices=[pb.Device(ID=f"d{i}", health="Healthy") for i in range(2)])
+        while context.is_active() and not self.stopping.wait(0.05):
+            pass
+
+    def GetPreferredAllocation(self, request, context):
+        return pb.PreferredAllocationResponse()
+
+    def Allocate(self, request, context):
+        return pb.AllocateResponse(container_responses=[pb.ContainerAllocateResponse() for _ in request.container_requests])
+
+    def PreStartContainer(self, request, context):
+        return pb.PreStartContainerResponse()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.server.stop(None).wait(5)
+
+
+def register(kubelet: Kubelet, plugin: Plugin, timeout: float = 5.0) -> None:
+    channel = grpc.insecure_channel("unix:" + kubelet.socket, options=[("grpc.use_local_subchannel_pool", 1)])  # a fresh connection
+    try:
+        RegistrationStub(channel).Register(
+            pb.RegisterRequest(version=API_VERSION, endpoint=plugin.name, resource_name=RESOURCE), timeout=timeout)
+    finally:
+        channel.close()
+
+
+@pytest.fixture
+def plugin(plugin_dir):
+    """Serve a new plugin socket (kubelet's start wipes the directory's sockets, as the
+    daemon's are): plugin() after each kubelet start."""
+    served = []
+
+    def serve() -> Plugin:
+        served.append(Plugin(plugin_dir, f"thing-{len(served)}.sock"))
+        return served[-1]
+
+    yield serve
+    for p in served:
+        p.stop()
+
+
+def start_in_background(kubelet: Kubelet, **kwargs) -> threading.Thread:
+    before = kubelet.serving_at
+    t = threading.Thread(target=kubelet.start, kwargs=kwargs, daemon=True)
+    t.start()
+    assert kubelet.wait(lambda: kubelet.serving_at != before, timeout=10), "kubelet.sock never appeared"
+    return t
+
+
+def test_register_in_the_listen_gap_is_refused_and_after_it_is_accepted(plugin_dir, plugin):
+    gate = threading.Event()  # kubelet listens once it is set
+    k = Kubelet(plugin_dir, listen_gap=gate)
+    try:
+        t = start_in_background(k)
+        p = plugin()
+        assert stat.S_ISSOCK(os.lstat(k.socket).st_mode)  # the file is there ...
+        assert k.listening_at is None
+        with pytest.raises(grpc.RpcError) as refused:  # ... and nothing listens on it yet
+            register(k, p)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "Connection refused" in refused.value.details()
+        assert k.register_calls == []
+        gate.set()
+        t.join(10)
+        assert k.listening_at is not None and k.listening_at >= k.serving_at
+        register(k, p)
+        assert k.wait_connected(RESOURCE, timeout=10)
+        assert len(k.registrations) == 1
+    finally:
+        gate.set()
+        k.close()
+
+
+def test_the_gap_applies_to_each_restart(plugin_dir, plugin):
+    """restart(listen_gap=...) overrides the constructor's gap for that start only."""
+    k = Kubelet(plugin_dir)
+    k.start()
+    try:
+        register(k, plugin())
+        assert k.wait_connected(RESOURCE)
+        gate = threading.Event()
+        k.kill()
+        t = start_in_background(k, listen_gap=gate)
+        p = plugin()
+        with pytest.raises(grpc.RpcError) as refused:
+            register(k, p)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        gate.set()
+        t.join(10)
+        register(k, p)
+        assert k.wait_connected(RESOURCE, registrations=2)
+        k.restart()  # the constructor's gap (0) again
+        register(k, plugin())
+        assert k.wait_connected(RESOURCE, registrations=3)
+    finally:
+        k.close()
+
+
+def test_one_creation_event_of_kubelet_sock_per_start(plugin_dir):
+    """The daemon takes every creation of kubelet.sock for a new kubelet: a start, a restart
+    (with or without a listen gap) and a re-created socket each make exactly one."""
+    os.makedirs(plugin_dir)
+    watch = inotify.adapters.Inotify()
+    watch.add_watch(plugin_dir, c.IN_CREATE | c.IN_MOVED_TO | c.IN_DELETE)
+    k = Kubelet(plugin_dir)
+    try:
+        k.start()
+        k.restart()
+        k.restart(listen_gap=0.01)
+        k.restart(gap=0.01, listen_gap=lambda: 0.005)
+        k.recreate_socket(listen_gap=0.002)
+        k.kill()  # leaves kubelet.sock, stale
+        created = []
+        # every event was queued by the system calls above: read until the queue is empty
+        for event in watch.event_gen(yield_nones=True, timeout_s=0):
+            if event is None:
+                break
+            header, types, _path, name = event
+            if name == KUBELET_SOCKET:
+                created.append(("IN_CREATE" in types or "IN_MOVED_TO" in types, types))
+        assert sum(1 for new, _ in created if new) == 5, created
+        assert stat.S_ISSOCK(os.lstat(k.socket).st_mode), "a killed kubelet leaves kubelet.sock behind"
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with pytest.raises(ConnectionRefusedError):
+            s.connect(k.socket)
+        s.close()
+    finally:
+        k.close()
+
+
+@pytest.mark.parametrize("listen_gap", [0.0, 1e-6], ids=["renamed-in-listening", "relayed"])
+def test_a_kill_drops_connections_through_kubelet_sock(plugin_dir, listen_gap):
+    """kubelet.sock reaches the Registration server (through the relay when there is a
+    gap); a killed kubelet's connections drop, as the process's would."""
+    k = Kubelet(plugin_dir, listen_gap=listen_gap)
+    k.start()
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(k.socket)
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        assert s.recv(9)[3] == 0x4  # the gRPC server's SETTINGS frame, through the relay
+        k.kill()
+        while s.recv(65536):  # whatever was in flight, then the end of the connection
+            pass
+        s.close()
+    finally:
+        k.close()
+
+
+def test_listen_gap_must_be_seconds(plugin_dir):
+    with pytest.raises(ValueError, match="listen_gap"):
+        Kubelet(plugin_dir, listen_gap=-1)
+    with pytest.raises(ValueError, match="listen_gap"):
+        Kubelet(plugin_dir, listen_gap="1ms")
+    k = Kubelet(plugin_dir)
+    with pytest.raises(ValueError, match="listen_gap"):
+        k.start(listen_gap=-0.5)
+
+
+@pytest.mark.parametrize("mode", ["1.32", "current"])
+def test_admission_follows_the_device_manager(plugin_dir, plugin, mode):
+    """Rejected while the resource is unregistered or has no healthy device (after a restart,
+    from the checkpoint), admitted once the plugin's device list is in; rejected again when the
+    plugin goes away; DOWN (not rejected) while no kubelet runs; and the log saw each state."""
+    k = Kubelet(plugin_dir, kubelet=mode)
+    k.start()
+    log = k.record_admission(RESOURCE)
+    try:
+        assert k.rejection(RESOURCE).startswith(f"{RESOURCE} is not registered")
+        register(k, plugin())
+        assert k.wait(lambda: log.state == "admit"), k.dump()
+        admitted = log.transitions[-1][0]
+        k.kill()
+        assert k.rejection(RESOURCE) == DOWN
+        assert k.wait(lambda: log.state == "down")
+        k.start()  # the checkpoint brings the resource back with no healthy device
+        assert k.rejection(RESOURCE).startswith("no healthy devices present")
+        restarted = k.serving_at
+        p = plugin()
+        register(k, p)
+        assert k.wait(lambda: log.state == "admit"), k.dump()
+        p.stop()  # the plugin goes away: its stream ends, then kubelet tears it down
+        assert k.wait(lambda: not k.admits(RESOURCE)), k.dump()
+        assert k.wait(lambda: k.rejection(RESOURCE).startswith("no healthy devices present"))  # the teardown's mark
+        assert k.wait(lambda: log.state == "reject")
+    finally:
+        log.stop()
+        k.close()
+    states = [s for i, (_, s, _) in enumerate(log.transitions) if i == 0 or log.transitions[i - 1][1] != s]
+    assert states == ["reject", "admit", "down", "reject", "admit", "reject"], log.transitions
+    gone = next(at for at, _, why in reversed(log.transitions) if why.endswith("(Allocate would fail)"))
+    total, spells, reasons = log.rejected(restarted, gone)
+    assert total > 0 and spells == 1 and reasons == [f"no healthy devices present; cannot allocate unhealthy devices {RESOURCE}"], log.transitions
+    down = next(at for at, s, _ in log.transitions if s == "down")
+    assert log.rejected(admitted, down) == (0.0, 0, []) and log.samples > 0
+
+
+def test_kubelet_sock_beyond_sun_path(tmp_path):
+    """A plugin directory too long for a unix socket path (107 bytes) still gets its
+    kubelet.sock, bound through /proc/self/fd."""
+    plugin_dir = str(tmp_path / ("d" * 100) / "device-plugins")
+    k = Kubelet(plugin_dir, pod_resources=False)
+    try:
+        k.start()
+        assert len(os.fsencode(k.socket)) > 107
+        assert stat.S_ISSOCK(os.lstat(k.socket).st_mode)
+        k.restart()
+        assert stat.S_ISSOCK(os.lstat(k.socket).st_mode)
+    finally:
+        k.close()
