@@ -52,7 +52,7 @@ class Device:
 
     resource: str
     path: str
-    count: int = 4096
+    count: int = 1024  # docs/design.md, "How many units"
     permissions: str = "rw"
     # Grant it even if the device policy (policy.py) refuses the node: an
     # operator who means it, warned at every start and by `atedevd check`.

@@ -116,7 +116,10 @@ class Daemon:
                 deadlines.append(poll_at)
             if self.metrics.enabled:
                 deadlines.append(self.metrics.deadline())
-            timeout = None if not deadlines else max(0, int((min(deadlines) - now) * 1000) + 1)
+            # poll() counts whole milliseconds: under one, look again at once (the refused-Register
+            # retries while kubelet starts listening are a fraction of a millisecond apart).
+            wait = None if not deadlines else min(deadlines) - now
+            timeout = None if wait is None else (0 if wait < 0.001 else int(wait * 1000) + 1)
             for fd, _ in poller.poll(timeout):
                 if fd == self._sig_r:
                     self._on_signals(os.read(fd, 64))

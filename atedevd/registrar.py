@@ -244,6 +244,9 @@ class Registrar:
 
     def _do_register(self, cid: int, sid: int) -> None:
         server = self.servers[sid]
+        if not sockets.listening(self.ctx.kubelet.socket):  # kubelet.sock made, not yet listened on
+            self.machine.register_done(time.monotonic(), cid, rm.REFUSED, "kubelet is not accepting connections")
+            return
         self._registers += 1
         level = logging.INFO if self._registers == 1 else logging.DEBUG
         event(level, "serving", f"{self.name}: serving {self.device.count} units of {self.device.path} on {server.socket_path}",

@@ -9,7 +9,7 @@ one table.
 (`make bench-lifecycle ROUNDS=100 EVENTS="kubelet-restart stream-ended"`).
 
 The daemon runs as a process (as systemd runs it) with the default config:
-one device, 4096 units. The kubelet stand-in runs in this process; Allocate
+one device, 1024 units. The kubelet stand-in runs in this process; Allocate
 load comes from separate client processes. Figures are printed, never
 asserted: this machine is shared and noisy. The exit status is 0 unless a
 benchmark could not run.

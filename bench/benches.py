@@ -58,7 +58,7 @@ def startup(quick: bool) -> List[Row]:
     med = percentile(ready, 50)
     return [
         ("startup", f"start to READY=1, median of {n} (max)", f"{ms(med)} ms ({ms(max(ready))})", "<= 400 ms", verdict(med <= 0.4)),
-        ("startup", "launch -> 4096 healthy in kubelet, median (max)", f"{ms(percentile(registered, 50))} ms ({ms(max(registered))})", "", ""),
+        ("startup", "launch -> 1024 healthy in kubelet, median (max)", f"{ms(percentile(registered, 50))} ms ({ms(max(registered))})", "", ""),
         ("startup", "SIGTERM to exit 0, median (max)", f"{ms(percentile(stop, 50))} ms ({ms(max(stop))})", "<= 1000 ms", verdict(max(stop) <= 1.0)),
     ]
 
@@ -69,7 +69,7 @@ def startup(quick: bool) -> List[Row]:
 def restarts(rig: Rig, n: int, seed: int, gap_max: float = 0.0) -> dict:
     """`n` kubelet restarts, back to back like a real kubelet's unless `gap_max` (then a
     random gap up to it between the wipe and kubelet.sock); per restart, the time from
-    kubelet.sock being served to our Register arriving, and to our 4096 devices being
+    kubelet.sock being served to our Register arriving, and to our 1024 devices being
     healthy in kubelet again."""
     k = rig.kubelet
     rng = random.Random(seed)
@@ -100,7 +100,7 @@ def _latency_rows(bench: str, r: dict, n: int, mode: str = "") -> List[Row]:
     ok = bool(a) and percentile(a, 50) <= 0.005 and percentile(a, 99) <= 0.015
     return [
         (bench, f"kubelet.sock served -> Register arrives{on}, p50/p99/max of {n}", _p(a), "p50 <= 5, p99 <= 15 ms", verdict(ok)),
-        (bench, f"kubelet.sock served -> 4096 healthy in kubelet{on}, p50/p99/max", _p(h), "", ""),
+        (bench, f"kubelet.sock served -> 1024 healthy in kubelet{on}, p50/p99/max", _p(h), "", ""),
         (bench, f"restarts without a re-registration{on}", f"{r['lost']} of {n}", "0", verdict(r["lost"] == 0)),
     ]
 
@@ -142,7 +142,7 @@ def handover(quick: bool) -> List[Row]:
                     healthy.append(k.healthy_at[0] - dropped)
         rows += [
             ("handover", f"kubelet ends our stream -> new Register arrives (kubelet {mode}), p50/p99/max of {n}", _p(arrive), "p99 <= 100 ms", verdict(percentile(arrive, 99) <= 0.1)),
-            ("handover", f"kubelet ends our stream -> 4096 healthy again (kubelet {mode})", _p(healthy), "", ""),
+            ("handover", f"kubelet ends our stream -> 1024 healthy again (kubelet {mode})", _p(healthy), "", ""),
         ]
     return rows
 
@@ -150,7 +150,7 @@ def handover(quick: bool) -> List[Row]:
 def race(quick: bool) -> List[Row]:
     """Rounds of a random re-registration trigger with random delays injected at every step
     of kubelet's Register and teardown, per version; after each round the end state is
-    asserted (one live stream on the newest socket, endpoint not stopped, allocatable 4096,
+    asserted (one live stream on the newest socket, endpoint not stopped, allocatable 1024,
     an Allocate through kubelet succeeds, no duplicate Register)."""
     n = 30 if quick else 1000
     rows: List[Row] = []
@@ -181,7 +181,7 @@ def race(quick: bool) -> List[Row]:
                 else:
                     k.recreate_socket()
                 try:
-                    k.assert_healthy(RESOURCE, 4096, since=m, new_registrations=1, timeout=20)
+                    k.assert_healthy(RESOURCE, 1024, since=m, new_registrations=1, timeout=20)
                 except AssertionError as e:
                     failures.append(f"round {i} ({kind}): {str(e).splitlines()[0]}")
                     if len(failures) > 10:
@@ -271,14 +271,14 @@ def health(quick: bool) -> List[Row]:
                     os.unlink(node)
                 else:
                     os.symlink("/dev/null", node)
-                want = 0 if removing else 4096
+                want = 0 if removing else 1024
                 if not k.wait(lambda: k.health is not None and k.health[0] >= t0 and k.health[1] == want, timeout=30):
                     raise RuntimeError(f"health did not follow the node; log:\n{rig.daemon.log()[-2000:]}")
                 (down if removing else up).append(k.health[0] - t0)
                 time.sleep(0.02)
     return [
-        ("health", f"node removed -> all 4096 Unhealthy at kubelet, p50/p99 over {n}", f"{ms(percentile(down, 50))}/{ms(percentile(down, 99))} ms", "", ""),
-        ("health", "node back -> all 4096 Healthy at kubelet, p50/p99", f"{ms(percentile(up, 50))}/{ms(percentile(up, 99))} ms", "", ""),
+        ("health", f"node removed -> all 1024 Unhealthy at kubelet, p50/p99 over {n}", f"{ms(percentile(down, 50))}/{ms(percentile(down, 99))} ms", "", ""),
+        ("health", "node back -> all 1024 Healthy at kubelet, p50/p99", f"{ms(percentile(up, 50))}/{ms(percentile(up, 99))} ms", "", ""),
     ]
 
 
@@ -324,7 +324,7 @@ def soak(quick: bool) -> List[Row]:
     def mib(kib):
         return f"{kib / MiB:.1f}"
 
-    rows = [("soak", "RSS at start (4096 devices advertised)", f"{mib(start['rss'])} MiB", "<= 40 MiB", verdict(start["rss"] <= 40 * MiB))]
+    rows = [("soak", "RSS at start (1024 devices advertised)", f"{mib(start['rss'])} MiB", "<= 40 MiB", verdict(start["rss"] <= 40 * MiB))]
     rows.append(("soak", "RSS MiB: " + ", ".join(label for label, _ in marks), " / ".join(mib(m["rss"]) for _, m in marks), "", ""))
     rows.append(("soak", "  of which anonymous (heap, stacks)", " / ".join(mib(m["anon"]) for _, m in marks), "", ""))
     rows.append(("soak", "  of which file-backed (code pages touched)", " / ".join(mib(m["file"]) for _, m in marks), "", ""))

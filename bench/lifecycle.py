@@ -36,7 +36,7 @@ from tests.kubelet_standin import MODES
 Row = Tuple[str, str, str, str, str]
 EVENTS = ("kubelet-restart", "kubelet-listen-gap", "daemon-sigterm", "daemon-kill-9", "reload-unchanged",
           "reload-changed", "socket-deleted", "stream-ended")
-UNITS = 4096
+UNITS = 1024
 LISTEN_GAP_MAX = 0.005
 END_STATE_TIMEOUT = 20.0
 

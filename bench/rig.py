@@ -27,7 +27,7 @@ class TimedKubelet(Kubelet):
         self.first_message = {}  # id(client) -> monotonic time of its first ListAndWatch message
         self.track_health = False
         self.health = None  # (monotonic time, healthy units) of the newest message
-        self.units = 4096  # the daemon's configured count
+        self.units = 1024  # the daemon's configured count
         self.healthy_at = []  # monotonic times a message left all `units` healthy in kubelet
 
     def Register(self, request, context):

@@ -503,7 +503,7 @@ def resource_state(node: Container, resource: str = RESOURCE) -> dict:
     return ((standin_state(node) or {}).get("resources") or {}).get(resource) or {}
 
 
-def wait_registered(node: Container, registrations: int = 1, healthy: int = 4096, timeout: float = 60) -> dict:
+def wait_registered(node: Container, registrations: int = 1, healthy: int = 1024, timeout: float = 60) -> dict:
     """Until the stand-in has seen `registrations` registrations and holds an open stream with `healthy` units."""
 
     def ok():

@@ -72,7 +72,7 @@ def test_all_present_and_kubelet_accepting(node):
         f"dev root: {node.dev}\n"
         "\n"
         f"RESOURCE     PATH      {'HOST PATH'.ljust(w)}  PRESENT  TYPE             UNITS\n"
-        f"ate.dev/kvm  /dev/kvm  {node.dev}/kvm  yes      char device 1:3  4096 (kvm-0..kvm-4095)\n"
+        f"ate.dev/kvm  /dev/kvm  {node.dev}/kvm  yes      char device 1:3  1024 (kvm-0..kvm-1023)\n"
         "\n"
         "Inside a container a device node keeps its host owner and mode, so a pod that runs as a\n"
         "non-root user opens it only if that mode lets it (a root pod always can):\n"
@@ -415,13 +415,13 @@ class PodResources:
 
 def test_kubelet_view_matches(node):
     node.kubelet()
-    pr = PodResources(node, {"ate.dev/kvm": 4096, "other.io/x": 2})
+    pr = PodResources(node, {"ate.dev/kvm": 1024, "other.io/x": 2})
     try:
         code, out = run(node.cfg())
     finally:
         pr.server.stop(None)
     assert "kubelet's view (pod-resources " in out
-    assert re.search(r"ate\.dev/kvm +4096 +4096 +match\n", out), out
+    assert re.search(r"ate\.dev/kvm +1024 +1024 +match\n", out), out
     assert code == 0, out
 
 
@@ -432,9 +432,9 @@ def test_kubelet_view_mismatch_is_a_problem(node):
         code, out = run(node.cfg())
     finally:
         pr.server.stop(None)
-    assert re.search(r"ate\.dev/kvm +4096 +0 +MISMATCH\n", out), out
+    assert re.search(r"ate\.dev/kvm +1024 +0 +MISMATCH\n", out), out
     assert code == 1
-    assert "ate.dev/kvm: kubelet counts 0 allocatable, we advertise 4096 healthy (is atedevd running and registered?)" in out
+    assert "ate.dev/kvm: kubelet counts 0 allocatable, we advertise 1024 healthy (is atedevd running and registered?)" in out
 
 
 def test_kubelet_view_absent_is_said_and_not_a_problem(node):
@@ -450,7 +450,7 @@ def test_process_check_shows_kubelet_counting_the_running_daemon(daemon, kubelet
     cfg = tmp_path / "empty.toml"
     cfg.write_text("")
     p = atedevd("check", "--config", str(cfg), "--device-plugin-dir", plugin_dir, "--dev-root", dev_root)
-    assert re.search(r"ate\.dev/kvm +4096 +4096 +match\n", p.stdout), p.stdout + p.stderr
+    assert re.search(r"ate\.dev/kvm +1024 +1024 +match\n", p.stdout), p.stdout + p.stderr
     kubelet.kill()  # kubelet gone: its pod-resources socket is stale, the view cannot be read
     p = atedevd("check", "--config", str(cfg), "--device-plugin-dir", plugin_dir, "--dev-root", dev_root)
     assert "kubelet's view: " in p.stdout and "did not answer" in p.stdout, p.stdout

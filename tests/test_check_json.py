@@ -36,7 +36,7 @@ def test_ready_node_as_json(node):
     [dev] = doc["devices"]
     assert set(dev) == DEVICE_KEYS
     assert dev == dict(resource="ate.dev/kvm", path="/dev/kvm", host_path=f"{node.dev}/kvm", present=True,
-                       type="char device 1:3", units=4096, device_number="1:3", uid=0, gid=0, owner="root:root",
+                       type="char device 1:3", units=1024, device_number="1:3", uid=0, gid=0, owner="root:root",
                        mode="0666", non_root="yes", char_link=f"{node.dev}/char/1:3")
     for f in doc["findings"]:
         assert set(f) == FINDING_KEYS and f["status"] in ("ok", "problem", "warning"), f

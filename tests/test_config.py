@@ -38,7 +38,7 @@ KVM = dict(resource='"ate.dev/kvm"', path='"/dev/kvm"')
 def test_missing_default_file_means_builtin_defaults(tmp_path):
     cfg = config.load(str(tmp_path / "absent.toml"))
     assert cfg == Config()
-    assert cfg.devices == (Device("ate.dev/kvm", "/dev/kvm", 4096, "rw"),)
+    assert cfg.devices == (Device("ate.dev/kvm", "/dev/kvm", 1024, "rw"),)
     assert cfg.source is None
 
 
@@ -486,7 +486,7 @@ def test_fuzz_random_bytes(tmp_path, data):
 _keys = st.sampled_from(list(config.DAEMON_KEYS + config.DEVICE_KEYS) + ["daemon", "device", "permisions", "x"])
 _scalars = st.one_of(
     st.sampled_from(['"ate.dev/kvm"', '"/dev/kvm"', '"/dev/net/tun"', '"rw"', '"rwm"', '"info"', '"/dev"',
-                     '"kubernetes.io/x"', '"requests.a/b"', '"/dev/../x"', '""', "4096", "0", "65537", "true",
+                     '"kubernetes.io/x"', '"requests.a/b"', '"/dev/../x"', '""', "1024", "0", "65537", "true",
                      "1.5", "[]", "{}", '["r"]', "1979-05-27", '"""\n[[device]]\n"""', '"\\u0000"']),
     st.integers().map(str),
     st.text(alphabet=string.printable, max_size=12).map(lambda s: '"' + s.replace("\\", "").replace('"', "") + '"'),

@@ -48,7 +48,7 @@ def assert_serving(d, plugin_dir: str) -> None:
 
 def assert_recovered(k: Kubelet, d, plugin_dir: str, registrations: int = 1) -> None:
     assert k.wait_connected(RESOURCE, registrations=registrations, timeout=15), d.log()
-    assert k.wait(lambda: k.capacity(RESOURCE) == 4096, timeout=10), d.log()
+    assert k.wait(lambda: k.capacity(RESOURCE) == 1024, timeout=10), d.log()
     assert_serving(d, plugin_dir)
     assert "Traceback" not in d.log()
 
@@ -153,7 +153,7 @@ def test_ten_listandwatch_streams_opened_at_once_and_dropped(hostile, start_daem
     k.behaviour = "normal"
     assert_recovered(k, d, plugin_dir)
     # the daemon holds no leftover streams: the one kubelet's stream is all that is open
-    k.assert_healthy(RESOURCE, 4096)
+    k.assert_healthy(RESOURCE, 1024)
 
 
 # --- kubelet.sock and the plugin directory -------------------------------------------------
@@ -283,7 +283,7 @@ def test_sigstop_while_kubelet_restarts_then_sigcont(daemon, kubelet, plugin_dir
     daemon.send(signal.SIGCONT)
     assert_serving(daemon, plugin_dir)
     time.sleep(0.3)
-    assert kubelet.registration_count(RESOURCE) == before and kubelet.capacity(RESOURCE) == 4096, daemon.log()
+    assert kubelet.registration_count(RESOURCE) == before and kubelet.capacity(RESOURCE) == 1024, daemon.log()
 
 
 def test_kill_9_mid_registration_then_restart(hostile, start_daemon, plugin_dir):
@@ -328,7 +328,7 @@ def test_kubelet_132_wiping_files_restarts_with_zero_gap_bursts(start_daemon, pl
         assert {r["restart"] for r in k.registrations} == set(range(restarts + 1))
         assert_recovered(k, d, plugin_dir, registrations=restarts + 1)
         # every old stream torn down, one live stream on the newest socket, nothing stopped
-        k.assert_healthy(RESOURCE, 4096)
+        k.assert_healthy(RESOURCE, 1024)
         assert our_files(plugin_dir) == [".atedevd", OUR_SOCKETS, "kubelet.sock", "kubelet_internal_checkpoint"]
     finally:
         k.close()

@@ -26,7 +26,7 @@ from tests.hostile_kubelet import PREFACE, SETTINGS
 from tests.kubelet_standin import Kubelet
 from tests import trimmed
 
-VALID = [f"kvm-{i}" for i in range(4096)]
+VALID = [f"kvm-{i}" for i in range(1024)]
 VALID_SET = frozenset(VALID)
 OK = grpc.StatusCode.OK
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -60,9 +60,9 @@ def node(tmp_path_factory):
     # Warm up once on each heavy path (big messages, many containers, a stream), so the
     # baseline counts what a running daemon holds, not the first use of an allocator.
     call(n, [VALID[:100] * 1000])
-    call(n, [[VALID[i % 4096]] for i in range(5000)])
+    call(n, [[VALID[i % 1024]] for i in range(5000)])
     flood_streams(n)  # grows the worker pool to what the fuzz below makes it use
-    assert n.kubelet.wait(lambda: n.kubelet.capacity(RESOURCE) == 4096, timeout=15)
+    assert n.kubelet.wait(lambda: n.kubelet.capacity(RESOURCE) == 1024, timeout=15)
     time.sleep(1.0)
     n.baseline = {"rss": rss_kib(n.daemon.pid), "fds": fds(n.daemon.pid), "threads": threads(n.daemon.pid),
                   "trimmed": trimmed.trimmed_rss_kib(n.daemon.pid, n.trim_ack)}
@@ -130,7 +130,7 @@ device_id = st.one_of(
     st.sampled_from(VALID),
     st.sampled_from(VALID),
     st.from_regex(r"\Akvm-[0-9]{1,6}\Z"),
-    st.sampled_from(["", " kvm-1", "kvm-1 ", "KVM-1", "kvm-01", "kvm--1", "kvm-1\x00", "kvm-\u0661", "gpu-0", "kvm-4096"]),
+    st.sampled_from(["", " kvm-1", "kvm-1 ", "KVM-1", "kvm-01", "kvm--1", "kvm-1\x00", "kvm-\u0661", "gpu-0", "kvm-1024"]),
     text_no_surrogates,
 )
 containers = st.lists(st.lists(device_id, max_size=12), max_size=8)
@@ -172,7 +172,7 @@ def test_allocate_100000_ids(node, seed, bad_at):
     rng = random.Random(seed)
     ids = [rng.choice(VALID) for _ in range(100_000)]  # duplicates galore
     if bad_at is not None:
-        ids[bad_at] = f"kvm-{4096 + bad_at}"
+        ids[bad_at] = f"kvm-{1024 + bad_at}"
     code, result = check_allocate(node, [ids])
     assert (code == OK) == (bad_at is None)
 
@@ -198,7 +198,7 @@ def test_allocate_empty_and_duplicate_ids(node):
 @settings(deadline=None, max_examples=6)
 @given(count=st.integers(1000, 6000), bad=st.one_of(st.none(), st.integers(0, 999)))
 def test_allocate_thousands_of_container_requests(node, count, bad):
-    cs = [[VALID[i % 4096]] for i in range(count)]
+    cs = [[VALID[i % 1024]] for i in range(count)]
     if bad is not None:
         cs[bad] = ["kvm-x"]
     check_allocate(node, cs)
@@ -286,7 +286,7 @@ def flood_streams(n, count=20):
     for _ in range(count):
         s = n.stub.ListAndWatch(pb.Empty(), timeout=60)
         try:
-            assert len(next(s).devices) == 4096
+            assert len(next(s).devices) == 1024
             streams.append(s)
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "ListAndWatch streams open" in e.details()
@@ -301,7 +301,7 @@ def test_too_many_listandwatch_streams_are_refused_then_kubelet_still_served(nod
     assert refused >= 4 and opened <= 16  # kubelet's stream counts too
     still_serving(node)
     # strangers' streams ending look like kubelet dropping us: the daemon registers again, and ends up connected
-    assert node.kubelet.wait(lambda: node.kubelet.capacity(RESOURCE) == 4096, timeout=15), node.daemon.log()[-2000:]
+    assert node.kubelet.wait(lambda: node.kubelet.capacity(RESOURCE) == 1024, timeout=15), node.daemon.log()[-2000:]
 
 
 # --- garbage on the socket ----------------------------------------------------------------------
@@ -367,7 +367,7 @@ def heavy_battery(n):
     """The heaviest inputs above, once each."""
     call(n, [[f"kvm-{i % 5000}" for i in range(100_000)]])
     call(n, [VALID[:100] * 1000])
-    call(n, [[VALID[i % 4096]] for i in range(6000)])
+    call(n, [[VALID[i % 1024]] for i in range(6000)])
     call(n, [["x" * 100_000]])
     flood_streams(n)
     for data in (PREFACE + b"\xff" * 512, os.urandom(4096)):
@@ -381,12 +381,12 @@ def test_after_the_fuzz_alive_registered_and_bounded(node):
     what remains is what the daemon holds. Two more passes over the heaviest inputs must not
     add to it: a leak would add in proportion to the inputs (~40 MiB per pass)."""
     still_serving(node)
-    assert node.kubelet.wait(lambda: node.kubelet.capacity(RESOURCE) == 4096, timeout=15)
+    assert node.kubelet.wait(lambda: node.kubelet.capacity(RESOURCE) == 1024, timeout=15)
     first = trimmed_rss(node)
     for _ in range(2):
         heavy_battery(node)
     still_serving(node)
-    assert node.kubelet.wait(lambda: node.kubelet.capacity(RESOURCE) == 4096, timeout=15)
+    assert node.kubelet.wait(lambda: node.kubelet.capacity(RESOURCE) == 1024, timeout=15)
     bound = first + 8 * 1024  # KiB; measured: within 1 MiB of `first`
     marks = settled_marks(node, bound)
     n_fds, n_threads = fds(node.daemon.pid), threads(node.daemon.pid)

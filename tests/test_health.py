@@ -51,7 +51,7 @@ def test_several_devices_each_registered_on_its_own_socket(start_daemon, kubelet
     node(dev_root, "fuse")
     d = start_daemon(config=write(tmp_path / "c.toml", KVM_VHOST_FUSE))
     d.wait_ready()
-    for resource, count in (("ate.dev/kvm", 4096), ("ate.dev/vhost-net", 64), ("ate.dev/fuse", 8)):
+    for resource, count in (("ate.dev/kvm", 1024), ("ate.dev/vhost-net", 64), ("ate.dev/fuse", 8)):
         assert kubelet.wait_connected(resource), d.log()
         assert wait_until(lambda: kubelet.capacity(resource) == count, 5)
     endpoints = sorted(re.sub(r"^(ate\.dev_[a-z-]+)\.[a-z0-9]+-[0-9]+\.sock$", r"\1.sock", r["endpoint"]) for r in kubelet.registrations)
@@ -83,11 +83,11 @@ def test_removed_node_goes_unhealthy_and_back_healthy_registration_kept(daemon, 
     for _ in range(3):
         os.unlink(kvm)
         assert kubelet.wait(lambda: health(kubelet, RESOURCE) == {"Unhealthy"}, 5), daemon.log()
-        assert kubelet.capacity(RESOURCE) == 0 and len(kubelet.devices(RESOURCE)) == 4096
+        assert kubelet.capacity(RESOURCE) == 0 and len(kubelet.devices(RESOURCE)) == 1024
         with pytest.raises(grpc.RpcError) as e:
             kubelet.allocate(RESOURCE, ["kvm-0"])
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert wait_until(lambda: "0/4096 healthy" in (daemon.status() or ""), 5), daemon.status()
+        assert wait_until(lambda: "0/1024 healthy" in (daemon.status() or ""), 5), daemon.status()
         os.symlink("/dev/null", kvm)
         assert kubelet.wait(lambda: health(kubelet, RESOURCE) == {"Healthy"}, 5), daemon.log()
     assert kubelet.registration_count(RESOURCE) == 1  # the stream carried it; no re-registration
@@ -104,7 +104,7 @@ def test_device_missing_at_start_is_not_advertised_until_it_appears(start_daemon
     assert kubelet.registration_count(RESOURCE) == 0
     node(empty_dev, "kvm")
     assert kubelet.wait_connected(RESOURCE, timeout=5), d.log()
-    assert kubelet.capacity(RESOURCE) == 4096
+    assert kubelet.capacity(RESOURCE) == 1024
     assert "appeared" in d.log()
 
 
@@ -192,7 +192,7 @@ def test_invalid_reload_keeps_the_running_config_and_says_so(start_daemon, kubel
     log = d.log()
     assert "ERROR" in log and str(cfg) in log and "path" in log and "color" in log
     assert d.proc.poll() is None
-    assert kubelet.registration_count(RESOURCE) == 1 and kubelet.capacity(RESOURCE) == 4096
+    assert kubelet.registration_count(RESOURCE) == 1 and kubelet.capacity(RESOURCE) == 1024
     assert plugin_sockets(plugin_dir, RESOURCE)
     write(cfg, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
     reload(d)  # fixed: the failure note goes away
@@ -257,7 +257,7 @@ def test_reload_that_adds_a_refused_node_is_refused_whole(start_daemon, dev_root
     assert wait_until(lambda: "reload failed" in (d.status() or ""), 5), d.status()
     assert "(char 21:0, not in sysfs) is SCSI generic" in d.log()
     assert kubelet.registration_count("ate.dev/sg") == 0
-    assert kubelet.registration_count(RESOURCE) == 1 and kubelet.capacity(RESOURCE) == 4096  # count = 8 not applied
+    assert kubelet.registration_count(RESOURCE) == 1 and kubelet.capacity(RESOURCE) == 1024  # count = 8 not applied
 
 
 @needs_root
@@ -282,7 +282,7 @@ def test_a_renumbered_node_goes_unhealthy_until_it_is_back_or_reloaded(daemon, k
     retarget(dev_root, "kvm", "/dev/zero")  # 1:5
     assert kubelet.wait(lambda: health(kubelet, RESOURCE) == {"Unhealthy"}, 5), daemon.log()
     assert re.search(r"ERROR.*ate.dev/kvm: .*/kvm is now .*/kvm -> /dev/zero \(char 1:5, .*\), not the 1:3 first served", daemon.log())
-    assert wait_until(lambda: "0/4096 healthy" in (daemon.status() or ""), 5), daemon.status()
+    assert wait_until(lambda: "0/1024 healthy" in (daemon.status() or ""), 5), daemon.status()
     retarget(dev_root, "kvm", "/dev/null")  # the first node again
     assert kubelet.wait(lambda: health(kubelet, RESOURCE) == {"Healthy"}, 5), daemon.log()
     retarget(dev_root, "kvm", "/dev/zero")

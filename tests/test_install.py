@@ -163,7 +163,7 @@ def test_deb_ships_the_unit_config_and_docs(installed):
 
 def test_deb_runs_on_debian_python_stack_and_registers(registered):
     node = registered
-    assert resource_state(node)["healthy"] == 4096
+    assert resource_state(node)["healthy"] == 1024
     for pkg in RUNTIME_PACKAGES:
         assert deb_version(node, pkg).startswith("install ok installed"), pkg
     assert deb_version(node, "python3-grpcio").split()[-1].startswith("1.51.")

@@ -30,7 +30,7 @@ def test_a_hundred_kubelet_restarts_log_no_warning(start_daemon, kubelet):
     for n in range(RESTARTS):
         mark = kubelet.mark()
         kubelet.restart()
-        kubelet.assert_healthy(RESOURCE, 4096, since=mark, new_registrations=1)
+        kubelet.assert_healthy(RESOURCE, 1024, since=mark, new_registrations=1)
     assert kubelet.wait_connected(RESOURCE, registrations=RESTARTS + 1), d.log()
     lines = levels(d.log())
     loud = [f"{level} {message}" for level, message in lines if level not in ("DEBUG", "INFO")]

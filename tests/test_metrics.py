@@ -25,14 +25,14 @@ NAME = re.compile(r"atedevd_[a-z0-9_]+\Z")
 INFO = metrics.DaemonInfo("0.1.0", "source", "1.51.1", "4.21.12", "3.11.2", 0.5)  # started at monotonic 0.5
 
 
-def fake_registration(state=State.REGISTERED, kubelet_count=4096, healthy=True, reasons=None, name=RESOURCE):
+def fake_registration(state=State.REGISTERED, kubelet_count=1024, healthy=True, reasons=None, name=RESOURCE):
     allocations = AllocateCounts()
     allocations.count(failed=False)
     allocations.count(failed=True)
     return types.SimpleNamespace(
         name=name, state=state, registrations=3, reasons=reasons or {"first registration": 1, "kubelet restarted": 2},
         kubelet_count=kubelet_count, changed_at=100.25, allocations=allocations,
-        snapshot=types.SimpleNamespace(ids=frozenset(f"kvm-{i}" for i in range(4096)), healthy=healthy))
+        snapshot=types.SimpleNamespace(ids=frozenset(f"kvm-{i}" for i in range(1024)), healthy=healthy))
 
 
 def rendered(*regs, polling=False, reload_ok=True):
@@ -63,9 +63,9 @@ def test_a_registered_resource():
     assert [k for k in series(s, "atedevd_resource_state") if value(s, *k[:1], **dict(k[1])) == 1] == \
         [("atedevd_resource_state", (("resource", RESOURCE), ("state", "registered")))]
     assert {dict(k[1])["state"] for k in series(s, "atedevd_resource_state")} == {st.value for st in State}
-    assert value(s, "atedevd_resource_units_advertised", **r) == 4096
-    assert value(s, "atedevd_resource_units_healthy", **r) == 4096
-    assert value(s, "atedevd_resource_kubelet_allocatable_units", **r) == 4096
+    assert value(s, "atedevd_resource_units_advertised", **r) == 1024
+    assert value(s, "atedevd_resource_units_healthy", **r) == 1024
+    assert value(s, "atedevd_resource_kubelet_allocatable_units", **r) == 1024
     assert value(s, "atedevd_resource_registrations_total", **r) == 3
     assert value(s, "atedevd_resource_register_calls_total", reason="first-registration", **r) == 1
     assert value(s, "atedevd_resource_register_calls_total", reason="kubelet-restarted", **r) == 2
@@ -248,7 +248,7 @@ def test_node_exporter_serves_our_series_through_a_kubelet_restart(node_exporter
         def ok(s):
             return value(s, "atedevd_resource_registered", **r) == 1 \
                 and value(s, "atedevd_resource_registrations_total", **r) == registrations \
-                and value(s, "atedevd_resource_kubelet_allocatable_units", **r) == 4096
+                and value(s, "atedevd_resource_kubelet_allocatable_units", **r) == 1024
         return ok
 
     s, text = node_exporter.wait_for(settled(1))
@@ -256,8 +256,8 @@ def test_node_exporter_serves_our_series_through_a_kubelet_restart(node_exporter
     assert value(s, "node_textfile_scrape_error") == 0, text  # node_exporter parsed our file
     assert value(s, "atedevd_resource_state", state="registered", **r) == 1
     assert sum(value(s, *k[:1], **dict(k[1])) for k in series(s, "atedevd_resource_state")) == 1
-    assert value(s, "atedevd_resource_units_advertised", **r) == 4096
-    assert value(s, "atedevd_resource_units_healthy", **r) == 4096
+    assert value(s, "atedevd_resource_units_advertised", **r) == 1024
+    assert value(s, "atedevd_resource_units_healthy", **r) == 1024
     assert value(s, "atedevd_resource_register_calls_total", reason="first-registration", **r) == 1
     assert value(s, "atedevd_watch_mode", mode="inotify") == 1
     build = [dict(k[1]) for k in series(s, "atedevd_build_info")]
@@ -277,7 +277,7 @@ def test_node_exporter_serves_our_series_through_a_kubelet_restart(node_exporter
 
     mark = kubelet.mark()
     kubelet.restart()
-    kubelet.assert_healthy(RESOURCE, 4096, since=mark, new_registrations=1)
+    kubelet.assert_healthy(RESOURCE, 1024, since=mark, new_registrations=1)
     s, text = node_exporter.wait_for(settled(2))
     assert settled(2)(s), text + d.log()
     assert value(s, "atedevd_resource_register_calls_total", reason="kubelet-restarted", **r) == 1, text
@@ -298,5 +298,5 @@ def test_a_missing_device_shows_as_unhealthy_units(node_exporter, start_daemon, 
     r = dict(resource=RESOURCE)
     s, text = node_exporter.wait_for(lambda s: value(s, "atedevd_resource_units_healthy", **r) == 0)
     assert value(s, "atedevd_resource_units_healthy", **r) == 0, text
-    assert value(s, "atedevd_resource_units_advertised", **r) == 4096, text  # still listed, as Unhealthy
+    assert value(s, "atedevd_resource_units_advertised", **r) == 1024, text  # still listed, as Unhealthy
     assert value(s, "atedevd_resource_registered", **r) == 1, text

@@ -56,14 +56,14 @@ def registered(start_daemon, kubelet, rng):
     return d
 
 
-def end_state(k: Kubelet, d, rng, since: int, new: int = 0, expected: int = 4096) -> None:
+def end_state(k: Kubelet, d, rng, since: int, new: int = 0, expected: int = 1024) -> None:
     try:
         k.assert_healthy(RESOURCE, expected, since=since, new_registrations=new, timeout=SETTLE)
     except AssertionError as e:
         raise AssertionError(f"{e}\nseed {rng.seed_value}; daemon log (tail):\n{d.log()[-3000:]}") from None
 
 
-def write_config(path, count: int = 4096) -> str:
+def write_config(path, count: int = 1024) -> str:
     with open(path, "w") as f:
         f.write(f'[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {count}\n')
     return str(path)
@@ -146,12 +146,12 @@ def reload(d) -> None:
 
 
 def test_sighup_with_the_resource_changed(start_daemon, kubelet, rng, tmp_path):
-    cfg = write_config(tmp_path / "c.toml", 4096)
+    cfg = write_config(tmp_path / "c.toml", 1024)
     d = start_daemon(config=cfg)
     d.wait_ready()
     end_state(kubelet, d, rng, since=0, new=1)
     for i in range(ROUNDS):
-        count = 64 if i % 2 == 0 else 4096
+        count = 64 if i % 2 == 0 else 1024
         m = kubelet.mark()
         write_config(cfg, count)
         reload(d)
@@ -159,7 +159,7 @@ def test_sighup_with_the_resource_changed(start_daemon, kubelet, rng, tmp_path):
 
 
 def test_sighup_with_the_resource_unchanged_registers_nothing(start_daemon, kubelet, rng, tmp_path):
-    cfg = write_config(tmp_path / "c.toml", 4096)
+    cfg = write_config(tmp_path / "c.toml", 1024)
     d = start_daemon(config=cfg)
     d.wait_ready()
     end_state(kubelet, d, rng, since=0, new=1)
@@ -267,9 +267,9 @@ def test_kubelet_silently_stops_counting_us_is_caught_through_pod_resources(star
             path = k.inc.endpoints[RESOURCE].path
         k._plugin_disconnected(k.inc, RESOURCE, path)  # what the late teardown does, and no more
         assert k.stopped(RESOURCE) and k.allocatable(RESOURCE) == 0 and len(k.live_streams(RESOURCE)) == 1
-        k.assert_healthy(RESOURCE, 4096, since=m, new_registrations=1, timeout=90)
+        k.assert_healthy(RESOURCE, 1024, since=m, new_registrations=1, timeout=90)
         log = d.log()
-        assert re.search(r"WARNING ate.dev/kvm: kubelet does not count our devices \(pod-resources lists 0 of 4096 "
+        assert re.search(r"WARNING ate.dev/kvm: kubelet does not count our devices \(pod-resources lists 0 of 1024 "
                          r"as allocatable\) although we are registered; registering again", log), log
         assert "registered again with kubelet" in log.split("does not count our devices", 1)[1], log
     finally:

@@ -143,7 +143,7 @@ def test_enable_now_active_registered_with_status(clean):
                lambda: diagnostics(node))
     status = node.systemctl("status", "atedevd").stdout
     line = next((s for s in status.splitlines() if s.strip().startswith("Status:")), "")
-    assert RESOURCE in line and "registered" in line and "4096/4096 healthy" in line, status
+    assert RESOURCE in line and "registered" in line and "1024/1024 healthy" in line, status
     print(status)  # quoted in the report: pytest -s shows it
 
 
@@ -196,10 +196,10 @@ def test_sandbox_still_sees_dev(clean):
     node = clean
     start_and_register(node)
     fake_kvm(node, present=False)
-    wait_until(lambda: resource_state(node).get("unhealthy") == 4096, 20, "all units Unhealthy after rm /dev/kvm",
+    wait_until(lambda: resource_state(node).get("unhealthy") == 1024, 20, "all units Unhealthy after rm /dev/kvm",
                lambda: f"{resource_state(node)}\n{diagnostics(node)}")
     fake_kvm(node, present=True)
-    wait_until(lambda: resource_state(node).get("healthy") == 4096, 20, "all units Healthy after mknod /dev/kvm",
+    wait_until(lambda: resource_state(node).get("healthy") == 1024, 20, "all units Healthy after mknod /dev/kvm",
                lambda: f"{resource_state(node)}\n{diagnostics(node)}")
 
 
@@ -496,7 +496,7 @@ def test_custom_kubelet_root_needs_the_drop_in_that_check_prints(clean):
         # With it: registered with the kubelet in the custom root, and check is content.
         dropin(node, "kubelet-root", printed)
         node.systemctl("restart", "atedevd")
-        wait_until(lambda: (k0s_resource() or {}).get("connected") and k0s_resource().get("healthy") == 4096, 30,
+        wait_until(lambda: (k0s_resource() or {}).get("connected") and k0s_resource().get("healthy") == 1024, 30,
                    "ate.dev/kvm registered with the k0s stand-in", lambda: f"{k0s_resource()}\n{diagnostics(node)}")
         # inotify works in the sandbox (its calls are in @system-service): no fallback to polling.
         assert node.journal("-u", "atedevd", "ATEDEVD_EVENT=inotify-unavailable", "-o", "cat").strip() in (

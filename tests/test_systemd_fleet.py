@@ -57,12 +57,12 @@ def test_the_sandboxed_service_writes_metrics_node_exporter_serves(node, exporte
     def registered(n):
         return lambda s: value(s, "atedevd_resource_registered", **r) == 1 \
             and value(s, "atedevd_resource_registrations_total", **r) == n \
-            and value(s, "atedevd_resource_kubelet_allocatable_units", **r) == 4096
+            and value(s, "atedevd_resource_kubelet_allocatable_units", **r) == 1024
 
     s, text = exporter.wait_for(registered(1))
     assert registered(1)(s), text + diagnostics(node)
     assert value(s, "node_textfile_scrape_error") == 0, text
-    assert value(s, "atedevd_resource_units_healthy", **r) == 4096, text
+    assert value(s, "atedevd_resource_units_healthy", **r) == 1024, text
     # By default, with no config: the directory exists, so it is used; the sandbox lets it be written.
     st = os.stat(node.path(f"{TEXTFILE_DIR}/atedevd.prom"))
     assert stat.S_IMODE(st.st_mode) == 0o644 and st.st_uid == 0
@@ -95,7 +95,7 @@ def test_check_json_on_the_node_and_the_char_link_fix(node):
     by = {f["check"]: f for f in doc["findings"]}
     assert by["sandbox"]["status"] == "ok" and "ReadWritePaths=" in by["sandbox"]["message"], by["sandbox"]
     assert by["kubelet-count"] == {"check": "kubelet-count", "subject": RESOURCE, "status": "ok",
-                                   "message": "kubelet counts 4096 allocatable, as we advertise", "fix": None}
+                                   "message": "kubelet counts 1024 allocatable, as we advertise", "fix": None}
     link = by["char-link"]
     assert link["status"] == "warning" and link["message"] == "/dev/char/10:232 is missing", link
     node.sh(link["fix"].split(" or: ", 1)[1])  # the fix as printed: the link

@@ -20,7 +20,7 @@ KUBELET_SOCK = "kubelet.sock"
 
 
 class World:
-    def __init__(self, seed: int, mode: str, max_delay: float = 1.0, pod_resources: bool = True, count: int = 4096,
+    def __init__(self, seed: int, mode: str, max_delay: float = 1.0, pod_resources: bool = True, count: int = 1024,
                  connections_visible: bool = True):
         self.rng = random.Random(seed)
         self.seed = seed
