@@ -79,10 +79,15 @@ class Daemon:
         signal.set_wakeup_fd(sig_w)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)  # the loop reads the number from the wakeup fd
-        for path in sockets.remove_leftovers(self.cfg.device_plugin_dir, (d.resource for d in self.cfg.devices)):
-            event(INFO, "leftover-removed", f"removed {path}, left behind by an earlier run", socket=path)
         self.kubelet.refresh(created=False, events_lost=True)
         self._apply(self.cfg, first=True)
+        # After the first Register is on its way, not before: an earlier run's dead
+        # sockets are in no one's way (every run's names are its own, and kubelet
+        # neither watches nor dials them once a newer Register replaced them), and
+        # removing them raises no event the loop acts on (our names are skipped).
+        names = (d.resource for d in self.cfg.devices)
+        for path in sockets.remove_leftovers(self.cfg.device_plugin_dir, names, keep_run=self._ctx.run_id):
+            event(INFO, "leftover-removed", f"removed {path}, left behind by an earlier run", socket=path)
         self.notifier.ready(self._status())
         event(INFO, "started", f"atedevd serving {self._summary()} in {self.cfg.device_plugin_dir}")
         try:

@@ -16,7 +16,8 @@ EX_RUNTIME = 1
 NEEDED = {
     "grpc": "grpcio (Debian: python3-grpcio; Fedora/EL: python3-grpcio)",
     "google.protobuf": "protobuf (Debian: python3-protobuf; Fedora/EL: python3-protobuf)",
-    "inotify.calls": "inotify (Debian: python3-inotify)",
+    # what watch.py and daemon.py import (inotify.calls would load ctypes.util: 6 ms)
+    "inotify.constants": "inotify (Debian: python3-inotify)",
     "sdnotify": "sdnotify (Debian: python3-sdnotify)",
 }
 SELF_CONTAINED = "atedevd-bundled (make deb-bundled / rpm-bundled PYTHON_VERSION=X.Y)"
