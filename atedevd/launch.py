@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from atedevd import _build
+from atedevd import _build, restarts
 
 EX_RUNTIME = 1
 # module -> what provides it, per flavour of package
@@ -43,6 +43,8 @@ def problem() -> Optional[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["run"]:
+        restarts.begin()  # first: a start that fails below is a crash loop's too
     why = problem()
     if why:
         print(f"atedevd: {why}", file=sys.stderr)
