@@ -1,8 +1,8 @@
 """After a crash, start again at once; in a crash loop, later and later.
 
-systemd restarts the unit `RestartSec=` (100 ms) after the daemon died, and
+systemd restarts the unit at once (`RestartSec=0`) after the daemon died, and
 systemd 252 has no `RestartSteps=`, so a daemon that crashes on every start
-would be started about five times a second, each start costing ~0.1 s of CPU.
+would be started again and again, each start costing ~0.15 s of CPU.
 The escalation is ours: a marker in the unit's runtime directory says that a
 run began and has not ended cleanly. The unit keeps that directory across
 restarts (`RuntimeDirectoryPreserve=restart`) and removes it on stop, so:

@@ -130,6 +130,9 @@ def test_restart_policy(unit):
     # the daemon (atedevd/restarts.py), whose marker must outlive a restart and not a stop.
     assert seconds(one(unit, "Service", "RestartSec")) <= 0.1
     assert one(unit, "Service", "RuntimeDirectoryPreserve") == "restart"
+    # Before=kubelet.service: a start that hangs holds kubelet back at boot this long at most,
+    # which leaves room for the longest crash-loop wait (restarts.MAX_DELAY_S) and a start.
+    assert 10 < seconds(one(unit, "Service", "TimeoutStartSec")) <= 30
     assert "78" in one(unit, "Service", "RestartPreventExitStatus").split()
     watchdog = seconds(one(unit, "Service", "WatchdogSec"))
     # Long enough for kubelet's 10 s dial-back inside Register, short enough to matter.
