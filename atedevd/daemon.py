@@ -21,7 +21,7 @@ import inotify.constants as ic
 
 from atedevd import devices, sockets
 from atedevd.config import Config, ConfigError, Device, load
-from atedevd.kubelet import KUBELET_SOCKET, KubeletView
+from atedevd.kubelet import KUBELET_SOCKET, KubeletView, warm_up
 from atedevd.plugin import Workers
 from atedevd.registration import Context, Registration, State
 from atedevd.systemd import Notifier, event, set_level
@@ -90,6 +90,8 @@ class Daemon:
             event(INFO, "leftover-removed", f"removed {path}, left behind by an earlier run", socket=path)
         self.notifier.ready(self._status())
         event(INFO, "started", f"atedevd serving {self._summary()} in {self.cfg.device_plugin_dir}")
+        if not self.kubelet.serving:  # kubelet comes later (boot): its first Register need not pay for grpc's first channel
+            warm_up(self.cfg.device_plugin_dir)
         try:
             self._loop()
         finally:

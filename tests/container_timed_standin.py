@@ -18,6 +18,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kubelet_standin  # noqa: E402
 
 
+class _StampingOs:
+    """kubelet_standin's `os`, noting the moment a socket is renamed into place as kubelet.sock
+    (that is when it appears; the stand-in's own thread may get back to it milliseconds later)."""
+
+    def __init__(self):
+        self.renamed_at = None
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def rename(self, src, dst):
+        os.rename(src, dst)
+        if os.path.basename(dst) == kubelet_standin.KUBELET_SOCKET:
+            self.renamed_at = time.monotonic()
+
+
 class TimedKubelet(kubelet_standin.Kubelet):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -26,9 +42,11 @@ class TimedKubelet(kubelet_standin.Kubelet):
         self._first = set()  # clients whose first ListAndWatch message arrived
 
     def _listen(self, inc):
+        _OS.renamed_at = None
         server = super()._listen(inc)
+        now = time.monotonic()
         with self.cond:
-            self.sock_at.append(time.monotonic())
+            self.sock_at.append(_OS.renamed_at or now)  # bound in place: when _listen returned
         return server
 
     def write_checkpoint(self) -> None:  # with the lock held, after every ListAndWatch message
@@ -50,6 +68,9 @@ class TimedKubelet(kubelet_standin.Kubelet):
         return out
 
 
+_OS = _StampingOs()
+
 if __name__ == "__main__":
+    kubelet_standin.os = _OS
     kubelet_standin.Kubelet = TimedKubelet  # what `serve` builds
     sys.exit(kubelet_standin.main())
