@@ -22,7 +22,7 @@ import inotify.constants as ic
 from atedevd import devices, sockets
 from atedevd.config import Config, ConfigError, Device, load
 from atedevd.kubelet import KUBELET_SOCKET, KubeletView, warm_up
-from atedevd.plugin import Workers
+from atedevd.plugin import STREAMS_PER_RESOURCE, Workers
 from atedevd.registration import Context, Registration, State
 from atedevd.systemd import Notifier, event, set_level
 from atedevd.watch import Watcher
@@ -64,7 +64,9 @@ class Daemon:
         self.exit_code = 0
         self._plugin_dir_was_mount = False  # under systemd, ReadWritePaths= binds it
         self._overflow_said = -OVERFLOW_SAY_EVERY_S
-        self._workers = Workers(len(cfg.devices))
+        # Before the first Registers: a stream for each resource and one unary call at a time
+        # (kubelet's GetDevicePluginOptions); the rest of the pool once they are sent (run()).
+        self._workers = Workers(len(cfg.devices), start_now=STREAMS_PER_RESOURCE * len(cfg.devices) + 1)
         self.kubelet = KubeletView(cfg.device_plugin_dir)
         self._ctx = Context(cfg.device_plugin_dir, sockets.new_run_id(), self._workers, self.kubelet, self._post, self._serve_failed)
 
@@ -81,6 +83,7 @@ class Daemon:
             signal.signal(sig, lambda *_: None)  # the loop reads the number from the wakeup fd
         self.kubelet.refresh(created=False, events_lost=True)
         self._apply(self.cfg, first=True)
+        self._workers.grow(len(self.cfg.devices))  # the whole pool, now that the first Registers are sent
         # After the first Register is on its way, not before: an earlier run's dead
         # sockets are in no one's way (every run's names are its own, and kubelet
         # neither watches nor dials them once a newer Register replaced them), and
@@ -279,7 +282,8 @@ class Daemon:
             cfg = replace(cfg, device_plugin_dir=self.cfg.device_plugin_dir)
         set_level(cfg.log_level)
         self.cfg = cfg
-        self._workers.grow(len(cfg.devices))
+        if not first:  # the first pass runs on the threads started in __init__; run() starts the rest
+            self._workers.grow(len(cfg.devices))
         now = time.monotonic()
         wanted = {d.resource: d for d in cfg.devices}
         for name in list(self.resources):

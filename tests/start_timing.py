@@ -65,10 +65,16 @@ def main(argv: List[str] = None) -> int:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--kill", action="store_true", help="end each run with SIGKILL instead of SIGTERM")
     p.add_argument("--trace", action="store_true", help="print the start path's steps (tests/start_trace/)")
+    p.add_argument("--compare", metavar="TREE", help="alternate runs with the atedevd package of another checkout "
+                   "(e.g. `git archive` of an older commit), same stand-in, same moments: before/after under one load")
     args = p.parse_args(argv)
     # As a package runs it: byte-compiled (py3compile at install). Without this, a
     # PYTHONDONTWRITEBYTECODE environment compiles every module on every start (+10 ms).
-    compileall.compile_dir(os.path.join(os.path.dirname(HERE), "atedevd"), quiet=1)
+    trees = [os.path.dirname(HERE)] + ([os.path.abspath(args.compare)] if args.compare else [])
+    for tree in trees:
+        compileall.compile_dir(os.path.join(tree, "atedevd"), quiet=1)
+    if args.compare:
+        return compare(trees, args)
     runs = []
     with Rig() as rig:
         for i in range(args.runs + 1):  # the first run warms the page cache; not counted
@@ -100,6 +106,23 @@ def main(argv: List[str] = None) -> int:
         for what in sorted(order, key=lambda w: percentile(at[w], 50)):
             print(f"  {percentile(at[what], 50):7.1f}  {what}")
         print(f"  {percentile(regs, 50):7.1f}  Register received (stand-in)")
+    return 0
+
+
+def compare(trees: List[str], args) -> int:
+    """Runs alternate between the trees (this one first), so both see the same machine."""
+    got: Dict[str, List[float]] = {t: [] for t in trees}
+    with Rig() as rig:
+        for i in range(2 * args.runs + 2):
+            tree = trees[i % 2]
+            env = {"PYTHONPATH": tree, "PYTHONSAFEPATH": "1"}  # that tree's package, not the cwd's
+            r = one_run(rig, i + 1, args.kill, False, env)
+            if i >= 2:  # the first of each warms the page cache
+                got[tree].append(r["register"] * 1000)
+    for tree, regs in got.items():
+        regs.sort()
+        print(f"{tree}: start -> Register, {len(regs)} runs ({'SIGKILL' if args.kill else 'SIGTERM'} between): "
+              f"min {regs[0]:.1f} / p50 {percentile(regs, 50):.1f} / p90 {percentile(regs, 90):.1f} / max {regs[-1]:.1f} ms")
     return 0
 
 
