@@ -1,6 +1,6 @@
 """How long a start takes: process start -> Register received by the kubelet stand-in.
 
-    /usr/bin/python3 -m tests.start_timing [--runs 20] [--kill] [--trace]
+    /usr/bin/python3 -m tests.start_timing [--runs 20] [--kill] [--trace | --compare TREE]
 
 Each run starts `atedevd run` as a process (tests/harness.py, the unit's
 Environment=) with the stand-in up, stamps the moment Register arrives in the
@@ -27,7 +27,7 @@ import time
 from typing import Dict, List
 
 from bench.rig import Rig, percentile
-from tests.harness import RESOURCE, Daemon
+from tests.harness import RESOURCE
 
 # What no start can avoid: the interpreter, grpc and protobuf (with our generated messages).
 FLOOR = "import grpc; from atedevd.api import deviceplugin_pb2; import os; os._exit(0)"
