@@ -11,7 +11,7 @@ import sys
 import traceback
 from typing import List, Optional
 
-from atedevd import config, instance, launch
+from atedevd import config, instance, launch, restarts
 from atedevd.systemd import journal_is_stderr, setup_logging
 
 EX_RUNTIME = 1
@@ -90,6 +90,7 @@ def _run(args, cfg: config.Config) -> int:
     code = EX_RUNTIME
     try:
         code = Daemon(cfg, args.config or config.DEFAULT_CONFIG_PATH, args.config is not None, overrides).run()
+        restarts.ended_cleanly()  # stopped, or exiting on purpose: no crash-loop delay next time
     except BaseException as e:  # a bug: say so in one line and exit, whatever it was
         _log_crash(e)
     finally:

@@ -20,7 +20,6 @@ strings, quoting and headers and silently points at wrong lines when it errs;
 this way a line is either the parser's or absent.
 """
 
-import difflib
 import os
 import re
 import stat
@@ -307,9 +306,16 @@ def _type_name(v) -> str:
     return names.get(type(v), type(v).__name__)  # datetime, date, time
 
 
+def _close_matches(word: str, choices, n: int) -> List[str]:
+    """Suggestions for a misspelt name; difflib is imported only for a bad file (a start pays 1 ms)."""
+    import difflib
+
+    return difflib.get_close_matches(word, choices, n=n)
+
+
 def _unknown(key: str, where: str, known) -> str:
     msg = f"unknown key {_q(key)} in {where}"
-    close = difflib.get_close_matches(key, known, n=1)
+    close = _close_matches(key, known, n=1)
     return msg + (f'; did you mean "{close[0]}"?' if close else "")
 
 
@@ -339,7 +345,7 @@ def _build(data: dict, lines: _Lines, report: _Report) -> Config:
         else:
             line = lines.of(key)
             what = f"table [{key}]" if isinstance(value, dict) else f"key {_q(key)}"
-            close = difflib.get_close_matches(key, ("daemon", "device"), n=1)
+            close = _close_matches(key, ("daemon", "device"), n=1)
             hint = f'; did you mean "{close[0]}"?' if close else ""
             report.add(f"unknown {what} at the top level{hint}", line)
     return cfg
@@ -366,7 +372,7 @@ def _check_daemon_value(key: str, value) -> Optional[str]:
     if key == "log_level":
         if value in LOG_LEVELS:
             return None
-        close = difflib.get_close_matches(value.lower(), LOG_LEVELS, n=1)
+        close = _close_matches(value.lower(), LOG_LEVELS, n=1)
         hint = f'; did you mean "{close[0]}"?' if close else ""
         return f"must be one of {', '.join(LOG_LEVELS)}, got {_q(value)}{hint}"
     if key == "metrics_dir" and value == "":

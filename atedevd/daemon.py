@@ -22,8 +22,8 @@ import inotify.constants as ic
 
 from atedevd import devices, metrics, sockets
 from atedevd.config import Config, ConfigError, Device, load
-from atedevd.kubelet import KUBELET_SOCKET, KubeletView
-from atedevd.plugin import Workers
+from atedevd.kubelet import KUBELET_SOCKET, KubeletView, warm_up
+from atedevd.plugin import STREAMS_PER_RESOURCE, Workers
 from atedevd.registrar import Context, Registrar
 from atedevd.registration import State
 from atedevd.systemd import Notifier, event, set_level
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 WARNING, INFO, DEBUG = logging.WARNING, logging.INFO, logging.DEBUG
 # Events after which some may be missing: look at kubelet.sock itself.
 OVERFLOW_SAY_EVERY_S = 60.0
+START_WORK_LATEST_S = 0.5  # the start's deferred work waits for the first Registers this long at most
 _LOST_EVENTS = ic.IN_Q_OVERFLOW | ic.IN_DELETE_SELF | ic.IN_MOVE_SELF | ic.IN_IGNORED
 
 
@@ -64,10 +65,13 @@ class Daemon:
         self.reload_error: Optional[str] = None
         self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._stopping = False
+        self._start_work_due: Optional[float] = None
         self.exit_code = 0
         self._plugin_dir_was_mount = False  # under systemd, ReadWritePaths= binds it
         self._overflow_said = -OVERFLOW_SAY_EVERY_S
-        self._workers = Workers(len(cfg.devices))
+        # Before the first Registers: a stream for each resource and one unary call at a time
+        # (kubelet's GetDevicePluginOptions); the rest of the pool once they are sent (run()).
+        self._workers = Workers(len(cfg.devices), start_now=STREAMS_PER_RESOURCE * len(cfg.devices) + 1)
         self.kubelet = KubeletView(cfg.device_plugin_dir)
         self.metrics = metrics.TextfileWriter(metrics.resolve_dir(cfg.metrics_dir))
         self._ctx = Context(cfg.device_plugin_dir, sockets.new_run_id(), self._workers, self.kubelet, self._post, self._serve_failed)
@@ -83,15 +87,13 @@ class Daemon:
         signal.set_wakeup_fd(sig_w)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)  # the loop reads the number from the wakeup fd
-        for path in sockets.remove_leftovers(self.cfg.device_plugin_dir, (d.resource for d in self.cfg.devices)):
-            event(INFO, "leftover-removed", f"removed {path}, left behind by an earlier run", socket=path)
         self.kubelet.refresh(created=False, events_lost=True)
         self._apply(self.cfg, first=True)
         self._info = metrics.DaemonInfo.current()
         self._wall_offset = metrics.WallOffset()
         self.notifier.ready(self._status())
-        self._write_metrics()
         event(INFO, "started", f"atedevd serving {self._summary()} in {self.cfg.device_plugin_dir}")
+        self._start_work_due = time.monotonic() + START_WORK_LATEST_S
         try:
             self._loop()
         finally:
@@ -109,6 +111,8 @@ class Daemon:
                 self.notifier.watchdog()
                 next_watchdog = now + self.notifier.watchdog_interval
             deadlines = [r.reg.deadline for r in self.resources.values() if r.reg.deadline is not None]
+            if self._start_work_due is not None:
+                deadlines.append(self._start_work_due)
             if self.notifier.watchdog_interval:
                 deadlines.append(next_watchdog)
             poll_at = self._watcher.poll_deadline()  # directories inotify could not watch are polled
@@ -138,8 +142,27 @@ class Daemon:
                 if r.reg.deadline is not None and r.reg.deadline <= now:
                     r.reg.on_timer(now)
             self._reconcile()
+            if self._start_work_due is not None and (
+                    now >= self._start_work_due or self._stopping
+                    or all(r.reg.registers_sent or r.reg.state is not State.WAITING for r in self.resources.values())):
+                self._start_work()
             self.notifier.status(self._status())
             self._write_metrics()
+
+    def _start_work(self) -> None:
+        """What a start can do once every resource's first Register is on its way (the
+        first one waits for pod-resources' answer, which comes through the loop)."""
+        self._start_work_due = None
+        self._workers.grow(len(self.cfg.devices))  # the whole pool
+        # An earlier run's dead sockets are in no one's way (every run's names are its own,
+        # and kubelet neither watches nor dials them once a newer Register replaced them),
+        # and removing them raises no event the loop acts on (our names are skipped).
+        names = (d.resource for d in self.cfg.devices)
+        for path in sockets.remove_leftovers(self.cfg.device_plugin_dir, names, keep_run=self._ctx.run_id):
+            event(INFO, "leftover-removed", f"removed {path}, left behind by an earlier run", socket=path)
+        self._write_metrics()
+        if not self.kubelet.serving:  # kubelet comes later (boot): its first Register need not pay for grpc's first channel
+            warm_up(self.cfg.device_plugin_dir)
 
     def _shutdown(self) -> None:
         event(INFO, "stopping", "stopping: removing our sockets")
@@ -295,7 +318,8 @@ class Daemon:
         if not first and cfg.metrics_dir != self.cfg.metrics_dir:
             self.metrics = metrics.TextfileWriter(metrics.resolve_dir(cfg.metrics_dir))
         self.cfg = cfg
-        self._workers.grow(len(cfg.devices))
+        if not first:  # the first pass runs on the threads started in __init__; run() starts the rest
+            self._workers.grow(len(cfg.devices))
         now = time.monotonic()
         wanted = {d.resource: d for d in cfg.devices}
         for name in list(self.resources):

@@ -152,5 +152,8 @@ class Snapshot:
     def build(cls, device: Device, healthy: bool, version: int) -> "Snapshot":
         ids = unit_ids(device)
         health = HEALTHY if healthy else UNHEALTHY
-        response = pb.ListAndWatchResponse(devices=[pb.Device(ID=i, health=health) for i in ids])
+        response = pb.ListAndWatchResponse()
+        add = response.devices.add  # half the time of a list of pb.Device: 1.8 ms for 4096, on every start
+        for i in ids:
+            add(ID=i, health=health)
         return cls(version=version, healthy=healthy, ids=frozenset(ids), response=response)

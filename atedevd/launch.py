@@ -9,14 +9,15 @@ import argparse
 import sys
 from typing import List, Optional
 
-from atedevd import _build
+from atedevd import _build, restarts
 
 EX_RUNTIME = 1
 # module -> what provides it, per flavour of package
 NEEDED = {
     "grpc": "grpcio (Debian: python3-grpcio; Fedora/EL: python3-grpcio)",
     "google.protobuf": "protobuf (Debian: python3-protobuf; Fedora/EL: python3-protobuf)",
-    "inotify.calls": "inotify (Debian: python3-inotify)",
+    # what watch.py and daemon.py import (inotify.calls would load ctypes.util: 6 ms)
+    "inotify.constants": "inotify (Debian: python3-inotify)",
     "sdnotify": "sdnotify (Debian: python3-sdnotify)",
 }
 SELF_CONTAINED = "atedevd-bundled (make deb-bundled / rpm-bundled PYTHON_VERSION=X.Y)"
@@ -42,6 +43,8 @@ def problem() -> Optional[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["run"]:
+        restarts.begin()  # first: a start that fails below is a crash loop's too
     why = problem()
     if why:
         print(f"atedevd: {why}", file=sys.stderr)

@@ -44,15 +44,20 @@ class Workers(futures.Executor):
     plus `UNARY_WORKERS` that streams can never take. All are started up front (the
     thread count and memory seen at start are what the node pays, and a burst of
     calls cannot grow the pool and thrash the GIL); a reload that adds devices
-    `grow`s it. gRPC only ever calls `submit`."""
+    `grow`s it. `start_now` caps how many the constructor starts, the rest coming
+    with the next `grow`: the daemon starts what its first Registers need and the
+    rest once they are sent (a start waits for its thread to run: 0.3 ms each on
+    a busy node). gRPC only ever calls `submit`."""
 
-    def __init__(self, resources: int) -> None:
+    def __init__(self, resources: int, start_now: Optional[int] = None) -> None:
         self._tasks: "queue.SimpleQueue" = queue.SimpleQueue()
         self._threads: list = []
-        self.grow(resources)
+        self.grow(resources, start_now)
 
-    def grow(self, resources: int) -> None:
+    def grow(self, resources: int, limit: Optional[int] = None) -> None:
         size = max(PRESTARTED_WORKERS, UNARY_WORKERS + STREAMS_PER_RESOURCE * resources)
+        if limit is not None:
+            size = min(size, limit)
         while len(self._threads) < size:
             t = threading.Thread(target=self._work, name=f"grpc-{len(self._threads)}", daemon=True)
             t.start()

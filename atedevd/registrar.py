@@ -87,6 +87,10 @@ class Registrar:
     kubelet_count = property(lambda self: self.machine.kubelet_count)
 
     @property
+    def registers_sent(self) -> int:
+        return self._registers
+
+    @property
     def stopped(self) -> bool:
         return self.machine.stopped
 

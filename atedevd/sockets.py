@@ -111,17 +111,19 @@ def _leftover_pattern(resources: Iterable[str]) -> "re.Pattern[str]":
     return re.compile(rf"^(?:(?:{names}){run}|(?:{old})(?:{run})?)\.sock$")
 
 
-def remove_leftovers(plugin_dir: str, resources: Iterable[str]) -> List[str]:
+def remove_leftovers(plugin_dir: str, resources: Iterable[str], keep_run: str = "") -> List[str]:
     """Unlink sockets that earlier runs left behind: our names, nobody listening.
 
     A path someone still accepts connections on is never touched, whatever
-    its name. Returns the paths removed.
+    its name; the names of run `keep_run` (this one's) are not even probed.
+    Returns the paths removed.
     """
     resources = list(resources)
     removed: List[str] = []
     if not resources:
         return removed
     pattern = _leftover_pattern(resources)
+    own = f".{keep_run}-" if keep_run else None
     for directory in (plugin_dir, os.path.join(plugin_dir, STANDBY_DIR)):
         try:
             names = os.listdir(directory)
@@ -129,7 +131,7 @@ def remove_leftovers(plugin_dir: str, resources: Iterable[str]) -> List[str]:
             continue
         for name in names:
             path = os.path.join(directory, name)
-            if pattern.match(name) and _is_dead_socket(path):
+            if pattern.match(name) and not (own and own in name) and _is_dead_socket(path):
                 try:
                     os.unlink(path)
                     removed.append(path)

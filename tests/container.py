@@ -434,9 +434,9 @@ def reap_stale() -> None:
 # --- the project and the kubelet stand-in, inside -----------------------------------------
 
 ATEDEVD_SCRIPT = """#!/usr/bin/python3
-# Test install from the working tree (the .deb installs pybuild's console script instead).
+# Test install from the working tree; the packages' console script does the same (atedevd.launch:main).
 import sys
-from atedevd.cli import main
+from atedevd.launch import main
 sys.exit(main())
 """
 
@@ -447,8 +447,14 @@ def install_project(node: Container) -> None:
     node.write("/usr/bin/atedevd", ATEDEVD_SCRIPT, 0o755)
     node.copy_in(REPO / "systemd/atedevd.service", "/etc/systemd/system/atedevd.service")
     install_test_helpers(node)
+    # Byte-compiled, as the packages' py3compile/brp scripts leave it: the sandbox cannot
+    # write __pycache__, so without it every start compiles every module (~10 ms).
+    compile_argv = ("/usr/bin/python3", "-m", "compileall", "-q", "/usr/lib/python3/dist-packages/atedevd")
     if node.pid is not None:
+        node.run(*compile_argv)
         node.daemon_reload()
+    else:
+        run_in_rootfs(node.root, *compile_argv)
 
 
 def install_test_helpers(node: Container) -> None:
@@ -465,16 +471,17 @@ def fake_kvm(node: Container, present: bool = True) -> None:
         node.run("rm", "-f", "/dev/kvm")
 
 
-def start_standin(node: Container, *extra: str, pythonpath: str = "") -> None:
+def start_standin(node: Container, *extra: str, pythonpath: str = "", script: str = "kubelet_standin.py") -> None:
     """kubelet stand-in as a transient unit; creates the plugin directory as kubelet does.
     `pythonpath`: where it finds grpc and atedevd.api on a node without Debian's python3-grpcio
-    (a self-contained package's /usr/lib/atedevd/site-packages:/usr/lib/atedevd)."""
+    (a self-contained package's /usr/lib/atedevd/site-packages:/usr/lib/atedevd).
+    `script`: container_timed_standin.py adds timestamps to the state (same arguments)."""
     stop_standin(node)
     node.run("mkdir", "-p", "-m", "0750", "/var/lib/kubelet", PLUGIN_DIR, "/run/kubelet-standin")
     node.run("rm", "-f", STANDIN_STATE)
     env = [f"--setenv=PYTHONPATH={pythonpath}"] if pythonpath else []
     node.run("systemd-run", f"--unit={STANDIN_UNIT}", "--property=KillSignal=SIGTERM", *env, "--",
-             "/usr/bin/python3", f"{TEST_LIB}/kubelet_standin.py", "serve",
+             "/usr/bin/python3", f"{TEST_LIB}/{script}", "serve",
              "--plugin-dir", PLUGIN_DIR, "--state", STANDIN_STATE, *extra)
     wait_until(lambda: standin_state(node) is not None, 30, "kubelet stand-in to write its state",
                lambda: node.journal("-u", STANDIN_UNIT, "-n", "30"))

@@ -150,6 +150,7 @@ class Daemon:
         full_env = dict(os.environ)
         full_env.pop("JOURNAL_STREAM", None)
         full_env.pop("WATCHDOG_USEC", None)
+        full_env.pop("INVOCATION_ID", None)  # a test runner under systemd: no crash-loop brake (restarts.py) unless asked
         full_env.update(
             NOTIFY_SOCKET=self.notify.path,
             RUNTIME_DIRECTORY=workdir,

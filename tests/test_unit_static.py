@@ -126,11 +126,25 @@ def test_service_contract(unit):
 
 def test_restart_policy(unit):
     assert one(unit, "Service", "Restart") in ("always", "on-failure")
-    assert seconds(one(unit, "Service", "RestartSec")) <= 2
+    # Back within 400 ms of a crash: systemd's part is RestartSec=; a crash loop is slowed by
+    # the daemon (atedevd/restarts.py), whose marker must outlive a restart and not a stop.
+    assert seconds(one(unit, "Service", "RestartSec")) <= 0.1
+    assert one(unit, "Service", "RuntimeDirectoryPreserve") == "restart"
+    # Before=kubelet.service: a start that hangs holds kubelet back at boot this long at most,
+    # which leaves room for the longest crash-loop wait (restarts.MAX_DELAY_S) and a start.
+    assert 10 < seconds(one(unit, "Service", "TimeoutStartSec")) <= 30
     assert "78" in one(unit, "Service", "RestartPreventExitStatus").split()
     watchdog = seconds(one(unit, "Service", "WatchdogSec"))
     # Long enough for kubelet's 10 s dial-back inside Register, short enough to matter.
     assert 10 < watchdog <= 60
+
+
+def test_ordered_before_kubelet_without_depending_on_it(unit):
+    """At boot atedevd is up before kubelet first serves; a failed atedevd never holds kubelet back."""
+    assert "kubelet.service" in " ".join(values(unit, "Unit", "Before")).split()
+    for key in ("Requires", "Requisite", "Wants", "BindsTo", "PartOf", "Upholds", "After", "RequiredBy", "WantedBy"):
+        for section in ("Unit", "Install"):
+            assert "kubelet.service" not in " ".join(values(unit, section, key)).split(), (section, key)
 
 
 def test_documentation(unit):

@@ -1,0 +1,93 @@
+"""Loaded by Python at start when this directory is first on PYTHONPATH (tests/start_timing.py
+--trace): prints `TRACE <ms> <step>` to stderr as the start path reaches each step, in
+milliseconds since START_TRACE_T0 (CLOCK_MONOTONIC seconds, taken before the fork).
+
+Modules are patched as they are imported (a meta path hook), so the import order and
+cost of the daemon stay its own."""
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import time
+
+T0 = float(os.environ.get("START_TRACE_T0", "0"))
+
+
+def say(what: str) -> None:
+    sys.stderr.write(f"TRACE {(time.monotonic() - T0) * 1000:8.2f} {what}\n")
+
+
+say("python up (site)")
+
+# module -> [(attribute path, label)]: a step begins when the function is entered
+STEPS = {
+    "atedevd.launch": [("main", "launch.main"), ("problem", "launch.problem")],
+    "atedevd.cli": [("main", "cli.main"), ("_load", "cli._load (config)"), ("_run", "cli._run")],
+    "atedevd.systemd": [("setup_logging", "setup_logging")],
+    "atedevd.instance": [("acquire", "instance.acquire")],
+    "atedevd.daemon": [("Daemon.__init__", "Daemon.__init__"), ("Daemon.run", "Daemon.run"),
+                       ("Daemon._apply", "Daemon._apply"), ("Daemon._loop", "Daemon._loop"),
+                       ("Daemon._on_fs_events", "Daemon._on_fs_events")],
+    "atedevd.sockets": [("remove_leftovers", "remove_leftovers")],
+    "atedevd.watch": [("Watcher.__init__", "Watcher()"), ("Watcher.want", "Watcher.want")],
+    "atedevd.plugin": [("Workers.__init__", "Workers()"), ("PluginServer.start", "PluginServer.start")],
+    "atedevd.kubelet": [("RegisterCall.__init__", "RegisterCall (Register sent)")],
+    "atedevd.registration": [("Registration.serve", "Registration.serve"),
+                             ("Registration.kubelet_started", "Registration.kubelet_started"),
+                             ("Registration._promote", "Registration._promote")],
+}
+IMPORTS = {"grpc", "google.protobuf", "atedevd.cli", "atedevd.daemon", "atedevd.config", "atedevd.api",
+           "atedevd.registration", "atedevd.plugin", "atedevd.kubelet", "atedevd.watch", "atedevd.systemd",
+           "systemd.journal", "inotify.constants", "sdnotify", "tomllib"}
+_seen = set()
+
+
+def _wrap(fn, label):
+    def traced(*a, **kw):
+        say(f"> {label}")
+        try:
+            return fn(*a, **kw)
+        finally:
+            say(f"< {label}")
+    return traced
+
+
+def _patch(module) -> None:
+    for path, label in STEPS.get(module.__name__, ()):
+        owner = module
+        *parents, attr = path.split(".")
+        for p in parents:
+            owner = getattr(owner, p)
+        setattr(owner, attr, _wrap(getattr(owner, attr), label))
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner, name):
+        self.inner, self.name = inner, name
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        traced = self.name in IMPORTS
+        if traced:
+            say(f"> import {self.name}")
+        self.inner.exec_module(module)
+        if traced:
+            say(f"< import {self.name}")
+        _patch(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if (name not in STEPS and name not in IMPORTS) or name in _seen:
+            return None
+        _seen.add(name)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader, name)
+        return spec
+
+
+sys.meta_path.insert(0, _Finder())
