@@ -41,9 +41,9 @@ class TimedKubelet(kubelet_standin.Kubelet):
         self.healthy_at = []
         self._first = set()  # clients whose first ListAndWatch message arrived
 
-    def _listen(self, inc):
+    def _listen(self, inc, *args):
         _OS.renamed_at = None
-        server = super()._listen(inc)
+        server = super()._listen(inc, *args)
         now = time.monotonic()
         with self.cond:
             self.sock_at.append(_OS.renamed_at or now)  # bound in place: when _listen returned
