@@ -430,7 +430,7 @@ def drop_in(plugin_dir: str) -> str:
             "[Service]\n"
             "# Replace the default directory's mkdir and sandbox exception with this one's.\n"
             "ExecStartPre=\n"
-            f"ExecStartPre=+/bin/mkdir -p -m 0750 {plugin_dir}\n"
+            f"ExecStartPre=-+/bin/mkdir -p -m 0750 {plugin_dir}\n"
             "ReadWritePaths=\n"
             f"ReadWritePaths=-{plugin_dir}\n"
             "# The unit's other exception, kept: node_exporter's textfile directory (atedevd.prom).\n"

@@ -172,7 +172,7 @@ def test_missing_plugin_dir_is_created_before_the_sandbox(unit):
 
     test_systemd.py proves it under systemd, with the directory missing and present."""
     pre = values(unit, "Service", "ExecStartPre")
-    assert any(p.startswith("+") and "mkdir -p" in p and p.endswith("/var/lib/kubelet/device-plugins") for p in pre), pre
+    assert any(p.startswith("-+") and "mkdir -p" in p and p.endswith("/var/lib/kubelet/device-plugins") for p in pre), pre
 
 
 def test_installed_for_multi_user(unit):
