@@ -9,6 +9,7 @@ presence, kubelet.sock and the plugin directory, and tells each resource's
 """
 
 import logging
+import math
 import os
 import queue
 import re
@@ -120,10 +121,10 @@ class Daemon:
                 deadlines.append(poll_at)
             if self.metrics.enabled:
                 deadlines.append(self.metrics.deadline())
-            # poll() counts whole milliseconds: under one, look again at once (the refused-Register
-            # retries while kubelet starts listening are a fraction of a millisecond apart).
+            # poll() counts whole milliseconds: a deadline is met within one, never spun for
+            # (a busy loop would take the CPU from the kubelet we wait for).
             wait = None if not deadlines else min(deadlines) - now
-            timeout = None if wait is None else (0 if wait < 0.001 else int(wait * 1000) + 1)
+            timeout = None if wait is None else max(0, math.ceil(wait * 1000))
             for fd, _ in poller.poll(timeout):
                 if fd == self._sig_r:
                     self._on_signals(os.read(fd, 64))
