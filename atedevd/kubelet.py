@@ -5,7 +5,6 @@ through a callback (posted to the loop), so a kubelet that hangs never blocks it
 """
 
 import os
-import time
 from typing import Callable, Optional
 
 import grpc
@@ -80,7 +79,6 @@ class _Call:
     After it ends, `code` is its gRPC status code (None when it succeeded)."""
 
     def __init__(self, target: str, on_done: Callable) -> None:
-        self.started = time.time()
         self.code: Optional[grpc.StatusCode] = None
         self._on_done = on_done
         self._channel = grpc.insecure_channel("unix:" + target, options=_CHANNEL_OPTIONS)

@@ -14,12 +14,13 @@ place when it is needed: a rename costs microseconds, building a gRPC server
 about 12 ms, and kubelet admits pods ~13 ms after it serves again.
 """
 
+import errno
 import os
 import re
 import select
 import socket
 import stat
-from typing import Iterable, List, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 STANDBY_DIR = ".atedevd"
 # sun_path is 108 bytes with the terminating NUL.
@@ -154,40 +155,35 @@ def remove_standby_dir(plugin_dir: str) -> bool:
 
 
 def _is_dead_socket(path: str) -> bool:
+    """A socket file of ours that nobody listens on (refused; any other error: leave it)."""
     try:
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             return False
     except OSError:
         return False
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.setblocking(False)
-    try:
-        s.connect(path)
-    except ConnectionRefusedError:
-        return True
-    except BlockingIOError:  # a listener with a full backlog: alive
-        return False
-    except OSError:
-        return False
-    finally:
-        s.close()
-    return False
+    return _connect_error(path) == errno.ECONNREFUSED
 
 
 def listening(path: str) -> bool:
     """Whether anyone accepts connections on the unix socket at `path` now (a connect
     that is refused costs microseconds; a gRPC call that fails, about a millisecond)."""
+    return _connect_error(path) is None
+
+
+def _connect_error(path: str) -> Optional[int]:
+    """A non-blocking connect to `path`: None when someone listens (a full backlog
+    counts), else the errno."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.setblocking(False)
     try:
         s.connect(path)
-    except (BlockingIOError, InterruptedError):  # a full backlog: alive
-        return True
-    except OSError:
-        return False
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as e:
+        return e.errno
     finally:
         s.close()
-    return True
+    return None
 
 
 def held_connections(bind_paths: Iterable[str]) -> int:
