@@ -4,11 +4,11 @@ Exit codes: 0 ok, 1 runtime failure (another instance holds the lock, or a crash
 2 usage, 78 (EX_CONFIG) bad configuration, which the unit does not restart on.
 """
 
-import argparse
 import logging
 import os
 import sys
 import traceback
+from types import SimpleNamespace
 from typing import List, Optional
 
 from atedevd import config, instance, launch, restarts
@@ -17,12 +17,18 @@ from atedevd.systemd import journal_is_stderr, setup_logging
 EX_RUNTIME = 1
 
 
-def _parser() -> argparse.ArgumentParser:
+# What `run` takes, each option with one value (_run_args reads exactly these).
+RUN_OPTIONS = ("--config", "--device-plugin-dir", "--dev-root", "--log-level", "--metrics-dir")
+
+
+def _parser():
+    import argparse  # not on the path of `run` as the unit starts it (_run_args)
+
     p = argparse.ArgumentParser(
         prog="atedevd",
         description="Grant host device nodes (e.g. /dev/kvm) to Kubernetes pods via the kubelet device plugin API.",
     )
-    p.add_argument("--version", action=launch.VersionAction)
+    p.add_argument("--version", action=launch.version_action())
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run = sub.add_parser("run", help="serve the configured devices to kubelet (what systemd runs)")
     check = sub.add_parser("check", help="can this node serve every configured device? (a table and an exit status)")
@@ -40,6 +46,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run_args(argv: List[str]) -> Optional[SimpleNamespace]:
+    """`run` followed by RUN_OPTIONS, each given once as `--opt VALUE` or `--opt=VALUE`:
+    what the unit and the tests start. Read here because argparse costs about 4 ms of
+    every start (its import, the shutil it pulls in, building the parser), 5 % of the
+    time to the first Register. Anything else, help, an abbreviation, a repeated or
+    unknown option, a value that looks like an option, is None: argparse's to parse,
+    so its messages and exit status 2 are the only ones (tests/test_cli.py holds
+    both parsers to the same answers)."""
+    if argv[:1] != ["run"]:
+        return None
+    values = {name[2:].replace("-", "_"): None for name in RUN_OPTIONS}
+    rest = argv[1:]
+    while rest:
+        option, *given = rest[0].split("=", 1)
+        if given:
+            value, rest = given[0], rest[1:]
+        elif len(rest) > 1 and not rest[1].startswith("-"):
+            value, rest = rest[1], rest[2:]
+        else:
+            return None
+        dest = option[2:].replace("-", "_")
+        if option not in RUN_OPTIONS or values[dest] is not None:
+            return None
+        values[dest] = value
+    return SimpleNamespace(command="run", **values)
+
+
 def _load(args) -> config.Config:
     overrides = {
         "device_plugin_dir": getattr(args, "device_plugin_dir", None),
@@ -51,7 +84,8 @@ def _load(args) -> config.Config:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _run_args(argv) or _parser().parse_args(argv)
     if args.command == "check-config":
         from atedevd import check
 

@@ -24,8 +24,7 @@ import os
 import re
 import stat
 import sys
-from dataclasses import dataclass, field, replace
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from atedevd import policy, sockets
 
@@ -45,8 +44,7 @@ DAEMON_KEYS = ("device_plugin_dir", "dev_root", "log_level", "metrics_dir")
 DEVICE_KEYS = ("resource", "path", "count", "permissions", "allow_host_access")
 
 
-@dataclass(frozen=True)
-class Device:
+class Device(NamedTuple):
     """One device node advertised as `count` shareable units of `resource`."""
 
     resource: str
@@ -76,13 +74,12 @@ DEFAULT_DEVICES = (Device("ate.dev/kvm", "/dev/kvm"),)
 MAX_DEVICES = 32
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):
     device_plugin_dir: str = "/var/lib/kubelet/device-plugins"
     dev_root: str = "/dev"
     log_level: str = "info"
     metrics_dir: Optional[str] = None  # node_exporter's textfile directory; None: the default, "": off
-    devices: Tuple[Device, ...] = field(default=DEFAULT_DEVICES)
+    devices: Tuple[Device, ...] = DEFAULT_DEVICES
     source: Optional[str] = None  # the file read; None for the built-in defaults
 
 
@@ -109,7 +106,7 @@ def load(path: str, required: bool = False, overrides: Optional[Mapping[str, str
         if data is not None:
             lines.whole(data)
             cfg = _build(data, lines, report)
-        cfg = replace(cfg, source=path)
+        cfg = cfg._replace(source=path)
     cfg = _apply_overrides(cfg, overrides or {}, report)
     if not report.errors:  # on the final values: the overrides name the directories looked in
         _check_socket_names(cfg, report)
@@ -335,13 +332,13 @@ def _build(data: dict, lines: _Lines, report: _Report) -> Config:
     for key, value in data.items():
         if key == "daemon":
             if isinstance(value, dict):
-                cfg = replace(cfg, **_build_daemon(value, lines, report))
+                cfg = cfg._replace(**_build_daemon(value, lines, report))
             else:
                 report.add(f"daemon: must be a table ([daemon]), got {_type_name(value)}", lines.of(key))
         elif key == "device":
             devices = _build_devices(value, lines, report)
             if devices:
-                cfg = replace(cfg, devices=devices)
+                cfg = cfg._replace(devices=devices)
         else:
             line = lines.of(key)
             what = f"table [{key}]" if isinstance(value, dict) else f"key {_q(key)}"
@@ -551,4 +548,4 @@ def _apply_overrides(cfg: Config, overrides: Mapping[str, Optional[str]], report
             report.add(f"{flag}: {problem}", where="command line")
         else:
             values[key] = value
-    return replace(cfg, **values)
+    return cfg._replace(**values)

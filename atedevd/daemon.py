@@ -16,7 +16,6 @@ import re
 import select
 import signal
 import time
-from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import inotify.constants as ic
@@ -24,7 +23,7 @@ import inotify.constants as ic
 from atedevd import devices, metrics, sockets
 from atedevd.config import Config, ConfigError, Device, load
 from atedevd.kubelet import KUBELET_SOCKET, KubeletView, warm_up
-from atedevd.plugin import STREAMS_PER_RESOURCE, Workers
+from atedevd.plugin import Workers
 from atedevd.registrar import Context, Registrar
 from atedevd.registration import State
 from atedevd.systemd import Notifier, event, set_level
@@ -39,16 +38,16 @@ START_WORK_LATEST_S = 0.5  # the start's deferred work waits for the first Regis
 _LOST_EVENTS = ic.IN_Q_OVERFLOW | ic.IN_DELETE_SELF | ic.IN_MOVE_SELF | ic.IN_IGNORED
 
 
-@dataclass
 class Resource:
     """The loop's record of one configured device."""
 
-    device: Device
-    reg: Registrar
-    advertised: bool = False  # once served, kept served (Unhealthy while the node is missing)
-    present: Optional[bool] = None
-    version: int = 0
-    node: devices.NodeWatch = field(default_factory=devices.NodeWatch)  # the node first served
+    def __init__(self, device: Device, reg: Optional[Registrar] = None) -> None:
+        self.device = device
+        self.reg = reg  # type: ignore[assignment] - None only while the resource is being added
+        self.advertised = False  # once served, kept served (Unhealthy while the node is missing)
+        self.present: Optional[bool] = None
+        self.version = 0
+        self.node = devices.NodeWatch()  # the node first served
 
     @property
     def name(self) -> str:
@@ -70,9 +69,9 @@ class Daemon:
         self.exit_code = 0
         self._plugin_dir_was_mount = False  # under systemd, ReadWritePaths= binds it
         self._overflow_said = -OVERFLOW_SAY_EVERY_S
-        # Before the first Registers: a stream for each resource and one unary call at a time
-        # (kubelet's GetDevicePluginOptions); the rest of the pool once they are sent (run()).
-        self._workers = Workers(len(cfg.devices), start_now=STREAMS_PER_RESOURCE * len(cfg.devices) + 1)
+        # No thread before the first Registers (each Register starts what kubelet's calls after
+        # it need, Workers.registering); the rest of the pool once they are sent (_start_work).
+        self._workers = Workers(len(cfg.devices), start_now=0)
         self.kubelet = KubeletView(cfg.device_plugin_dir)
         self.metrics = metrics.TextfileWriter(metrics.resolve_dir(cfg.metrics_dir))
         self._ctx = Context(cfg.device_plugin_dir, sockets.new_run_id(), self._workers, self.kubelet, self._post, self._serve_failed)
@@ -289,7 +288,7 @@ class Daemon:
 
     def _snapshot(self, r: Resource) -> devices.Snapshot:
         r.version += 1
-        return devices.Snapshot.build(r.device, bool(r.present), r.version)
+        return devices.Snapshot(r.device, bool(r.present), r.version)
 
     def _serve_failed(self, path: str, error: OSError) -> bool:
         """A socket could not be bound. True when that means the daemon must restart."""
@@ -314,7 +313,7 @@ class Daemon:
         old_root = self.cfg.dev_root
         if not first and cfg.device_plugin_dir != self.cfg.device_plugin_dir:
             event(WARNING, "reload", f"device_plugin_dir cannot change on reload; still using {self.cfg.device_plugin_dir} (restart to change it)")
-            cfg = replace(cfg, device_plugin_dir=self.cfg.device_plugin_dir)
+            cfg = cfg._replace(device_plugin_dir=self.cfg.device_plugin_dir)
         set_level(cfg.log_level)
         if not first and cfg.metrics_dir != self.cfg.metrics_dir:
             self.metrics = metrics.TextfileWriter(metrics.resolve_dir(cfg.metrics_dir))
@@ -336,7 +335,7 @@ class Daemon:
                 event(INFO, "resource-changed", f"{name}: configuration changed; registering it anew", resource=name)
         for name, device in wanted.items():
             if name not in self.resources:
-                r = Resource(device, reg=None)  # type: ignore[arg-type]
+                r = Resource(device)
                 self._check_presence(r, now)
                 r.reg = Registrar(device, self._snapshot(r), self._ctx)
                 self.resources[name] = r

@@ -15,8 +15,8 @@ swapped node would otherwise reach pods that were promised the first one.
 import logging
 import os
 import stat
-from dataclasses import dataclass
-from typing import FrozenSet, Optional, Tuple
+import threading
+from typing import FrozenSet, NamedTuple, Optional, Tuple
 
 from atedevd import policy
 from atedevd.api import pb
@@ -28,8 +28,7 @@ PRESENT = "present"
 MISSING = "missing"
 
 
-@dataclass(frozen=True)
-class Presence:
+class Presence(NamedTuple):
     """What is at a device's path now: `state` is PRESENT or why not."""
 
     state: str
@@ -54,8 +53,7 @@ def presence(device: Device, dev_root: str, sys_root: str = policy.SYS_ROOT) -> 
     return Presence(PRESENT, node, found)
 
 
-@dataclass(frozen=True)
-class Change:
+class Change(NamedTuple):
     """A device's presence changed: what to tell the journal, and whether it is served Healthy."""
 
     present: bool
@@ -139,21 +137,42 @@ def unit_ids(device: Device) -> tuple:
     return tuple(device.unit_id(i) for i in range(device.count))
 
 
-@dataclass(frozen=True)
 class Snapshot:
-    """What ListAndWatch sends for one resource at one moment; never mutated."""
+    """What ListAndWatch sends for one resource at one moment; never changed once made.
 
-    version: int
-    healthy: bool
-    ids: FrozenSet[str]
-    response: pb.ListAndWatchResponse
+    The message of `count` devices (1 ms for 1024) and the set of IDs are made when
+    first needed, on whichever thread needs them first: a start's first Register does
+    not wait for them, kubelet asks for them only after it."""
 
-    @classmethod
-    def build(cls, device: Device, healthy: bool, version: int) -> "Snapshot":
-        ids = unit_ids(device)
-        health = HEALTHY if healthy else UNHEALTHY
-        response = pb.ListAndWatchResponse()
-        add = response.devices.add  # half the time of a list of pb.Device: 1.8 ms for 4096, on every start
-        for i in ids:
-            add(ID=i, health=health)
-        return cls(version=version, healthy=healthy, ids=frozenset(ids), response=response)
+    __slots__ = ("version", "healthy", "_device", "_ids", "_response", "_lock")
+
+    def __init__(self, device: Device, healthy: bool, version: int, _built=None) -> None:
+        self.version = version
+        self.healthy = healthy
+        self._device = device
+        self._ids, self._response = _built or (None, None)
+        self._lock = threading.Lock()
+
+    @property
+    def ids(self) -> FrozenSet[str]:
+        return self._made()[0]
+
+    @property
+    def response(self) -> pb.ListAndWatchResponse:
+        return self._made()[1]
+
+    def again(self) -> "Snapshot":
+        """An equal snapshot that is not this one: a stream sends it as news."""
+        return Snapshot(self._device, self.healthy, self.version, (self._ids, self._response) if self._ids else None)
+
+    def _made(self) -> Tuple[FrozenSet[str], pb.ListAndWatchResponse]:
+        with self._lock:
+            if self._ids is None:
+                ids = unit_ids(self._device)
+                health = HEALTHY if self.healthy else UNHEALTHY
+                response = pb.ListAndWatchResponse()
+                add = response.devices.add  # half the time of a list of pb.Device
+                for i in ids:
+                    add(ID=i, health=health)
+                self._ids, self._response = frozenset(ids), response
+            return self._ids, self._response

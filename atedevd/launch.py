@@ -5,7 +5,6 @@ or a dependency that is missing, ends in one line naming the problem and exit st
 (which the unit restarts on, with the line in `systemctl status`), never a traceback.
 """
 
-import argparse
 import sys
 from typing import List, Optional
 
@@ -76,13 +75,18 @@ def version_text() -> str:
     return f"atedevd {v['version']}\npackage: {v['flavour']}\nruns on: {stack}, Python {v['python']}"
 
 
-class VersionAction(argparse.Action):
-    """--version: print version_text() (imports grpc, so only when asked) and exit 0."""
+def version_action():
+    """The argparse action of --version: print version_text() (imports grpc, so only when
+    asked) and exit 0. Made when the parser is: argparse is not imported on a start's path."""
+    import argparse
 
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings, dest=dest, default=default, nargs=0,
-                         help=help or "show the version, the package flavour and the grpcio/protobuf in use")
+    class VersionAction(argparse.Action):
+        def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+            super().__init__(option_strings, dest=dest, default=default, nargs=0,
+                             help=help or "show the version, the package flavour and the grpcio/protobuf in use")
 
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(version_text())
-        parser.exit()
+        def __call__(self, parser, namespace, values, option_string=None):
+            print(version_text())
+            parser.exit()
+
+    return VersionAction

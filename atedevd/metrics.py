@@ -14,10 +14,8 @@ documented in docs/metrics.md.
 
 import logging
 import os
-import tempfile
 import time
-from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +52,7 @@ def reason_label(why: str) -> str:
     return REASONS.get(why, RETRY)
 
 
-@dataclass(frozen=True)
-class DaemonInfo:
+class DaemonInfo(NamedTuple):
     """What does not change while the daemon runs."""
 
     version: str
@@ -226,6 +223,8 @@ class TextfileWriter:
 def write_atomically(path: str, text: str) -> None:
     """Replace `path` with `text`: a temporary file in the same directory (a name
     node_exporter does not read: not *.prom), mode 0644, then rename."""
+    import tempfile  # first needed after the first Registers: not on a start's path
+
     directory = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     try:

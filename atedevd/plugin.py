@@ -6,7 +6,6 @@ opened its stream, ended it, or a stream was refused — is reported through
 `on_event(kind, server)`; all decisions are made in the control loop.
 """
 
-import dataclasses
 import logging
 import os
 import queue
@@ -41,17 +40,18 @@ LIST_SENT = "list-sent"
 
 class Workers(futures.Executor):
     """The worker threads every plugin server shares: each resource's stream budget
-    plus `UNARY_WORKERS` that streams can never take. All are started up front (the
-    thread count and memory seen at start are what the node pays, and a burst of
-    calls cannot grow the pool and thrash the GIL); a reload that adds devices
-    `grow`s it. `start_now` caps how many the constructor starts, the rest coming
-    with the next `grow`: the daemon starts what its first Registers need and the
-    rest once they are sent (a start waits for its thread to run: 0.3 ms each on
-    a busy node). gRPC only ever calls `submit`."""
+    plus `UNARY_WORKERS` that streams can never take. All are started before kubelet
+    could need them (the thread count and memory seen at start are what the node
+    pays, and a burst of calls cannot grow the pool and thrash the GIL); a reload that
+    adds devices `grow`s it. A start waits for each thread to run (0.3 ms each on a
+    busy node), so none are started before a Register is sent: `registering` starts
+    what kubelet's first calls after it need, `grow` the rest of the pool (the daemon
+    calls it once the first Registers are sent). gRPC only ever calls `submit`."""
 
     def __init__(self, resources: int, start_now: Optional[int] = None) -> None:
         self._tasks: "queue.SimpleQueue" = queue.SimpleQueue()
         self._threads: list = []
+        self._registering = 0
         self.grow(resources, start_now)
 
     def grow(self, resources: int, limit: Optional[int] = None) -> None:
@@ -62,6 +62,12 @@ class Workers(futures.Executor):
             t = threading.Thread(target=self._work, name=f"grpc-{len(self._threads)}", daemon=True)
             t.start()
             self._threads.append(t)
+
+    def registering(self) -> None:
+        """A Register is on its way: kubelet dials back next. Its ListAndWatch stream and
+        one unary call of every resource registering so far find a thread at once."""
+        self._registering += 1
+        self.grow(self._registering, limit=STREAMS_PER_RESOURCE * self._registering + 1)
 
     def submit(self, fn, *args, **kwargs) -> futures.Future:
         future: futures.Future = futures.Future()
@@ -204,7 +210,7 @@ class PluginServer:
         """Send the current device list again on every open stream."""
         with self._cond:
             if self._snapshot is not None:
-                self._snapshot = dataclasses.replace(self._snapshot)  # equal, but not the one sent
+                self._snapshot = self._snapshot.again()  # equal, but not the one sent
                 self._cond.notify_all()
 
     def end_streams(self) -> None:

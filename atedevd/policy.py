@@ -19,14 +19,12 @@ a test keeps the two in step.
 
 import os
 import stat
-from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 SYS_ROOT = "/sys"
 
 
-@dataclass(frozen=True)
-class Node:
+class Node(NamedTuple):
     """A device node as the kernel knows it."""
 
     path: str  # the path looked at
@@ -49,8 +47,7 @@ class Node:
         return f"{shown} ({self.kind} {self.numbers}, {sysfs})"
 
 
-@dataclass(frozen=True)
-class Rule:
+class Rule(NamedTuple):
     """One kind of node that gives a container the host, and why."""
 
     what: str  # what the node is, in words
@@ -149,8 +146,7 @@ RULES: Tuple[Rule, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class Refusal:
+class Refusal(NamedTuple):
     """A node that gives a container the host."""
 
     node: Node

@@ -258,6 +258,7 @@ class Registrar:
         call = RegisterCall(self.ctx.plugin_dir, self.name, os.path.basename(server.socket_path),
                             lambda c, _result, error: self.ctx.post(partial(self._register_done, cid, c, error)))
         self._calls[cid] = call
+        self.ctx.workers.registering()
 
     def _do_ask(self, cid: int) -> None:
         path = self.ctx.kubelet.pod_resources

@@ -3,7 +3,7 @@
     /usr/bin/python3 -m tests.start_timing [--runs 20] [--kill] [--trace | --compare TREE]
 
 Each run starts `atedevd run` as a process (tests/harness.py, the unit's
-Environment=) with the stand-in up, stamps the moment Register arrives in the
+Environment=, the shipped etc/config.toml) with the stand-in up, stamps the moment Register arrives in the
 stand-in, then stops the daemon: SIGTERM, or SIGKILL with --kill (the next start
 then finds the dead run's sockets). `start` is the moment before the fork.
 
@@ -32,6 +32,9 @@ from tests.harness import RESOURCE
 # What no start can avoid: the interpreter, grpc and protobuf (with our generated messages).
 FLOOR = "import grpc; from atedevd.api import deviceplugin_pb2; import os; os._exit(0)"
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The configuration a package installs (the rig's paths are command-line overrides): a start
+# reads and parses it, as on a node.
+SHIPPED_CONFIG = os.path.join(os.path.dirname(HERE), "etc", "config.toml")
 TRACE_DIR = os.path.join(HERE, "start_trace")  # its sitecustomize.py prints the steps
 
 
@@ -41,7 +44,7 @@ def one_run(rig: Rig, n: int, kill: bool, trace: bool, env: Dict[str, str]) -> d
         k.arrivals.clear()
     if trace:
         env = {**env, "PYTHONPATH": f"{TRACE_DIR}:{os.path.dirname(HERE)}", "START_TRACE_T0": repr(time.monotonic())}
-    d = rig.start(env=env)
+    d = rig.start(env=env, config=SHIPPED_CONFIG)
     with k.cond:
         if not k.cond.wait_for(lambda: k.arrivals, 30):
             raise RuntimeError(f"no Register within 30 s; log:\n{d.log()}")

@@ -24,7 +24,6 @@ say("python up (site)")
 STEPS = {
     "atedevd.launch": [("main", "launch.main"), ("problem", "launch.problem")],
     "atedevd.cli": [("main", "cli.main"), ("_load", "cli._load (config)"), ("_run", "cli._run")],
-    "atedevd.systemd": [("setup_logging", "setup_logging")],
     "atedevd.instance": [("acquire", "instance.acquire")],
     "atedevd.daemon": [("Daemon.__init__", "Daemon.__init__"), ("Daemon.run", "Daemon.run"),
                        ("Daemon._apply", "Daemon._apply"), ("Daemon._loop", "Daemon._loop"),
@@ -32,14 +31,19 @@ STEPS = {
     "atedevd.sockets": [("remove_leftovers", "remove_leftovers")],
     "atedevd.watch": [("Watcher.__init__", "Watcher()"), ("Watcher.want", "Watcher.want")],
     "atedevd.plugin": [("Workers.__init__", "Workers()"), ("PluginServer.start", "PluginServer.start")],
-    "atedevd.kubelet": [("RegisterCall.__init__", "RegisterCall (Register sent)")],
-    "atedevd.registration": [("Registration.serve", "Registration.serve"),
-                             ("Registration.kubelet_started", "Registration.kubelet_started"),
-                             ("Registration._promote", "Registration._promote")],
+    "atedevd.registrar": [("Registrar.serve", "Registrar.serve"), ("Registrar._do_bind", "bind"),
+                          ("Registrar._do_ask", "ask pod-resources"), ("Registrar._ask_done", "pod-resources answered"),
+                          ("Registrar._do_register", "register (Register sent)")],
+    "atedevd.devices": [("Snapshot._made", "Snapshot: device list made"), ("NodeWatch.look", "NodeWatch.look")],
+    "atedevd.metrics": [("TextfileWriter.__init__", "TextfileWriter()"), ("DaemonInfo.current", "DaemonInfo.current")],
+    "atedevd.kubelet": [("KubeletView.refresh", "KubeletView.refresh")],
+    "atedevd.systemd": [("setup_logging", "setup_logging"), ("Notifier.ready", "Notifier.ready"), ("event", "event")],
 }
 IMPORTS = {"grpc", "google.protobuf", "atedevd.cli", "atedevd.daemon", "atedevd.config", "atedevd.api",
-           "atedevd.registration", "atedevd.plugin", "atedevd.kubelet", "atedevd.watch", "atedevd.systemd",
-           "systemd.journal", "inotify.constants", "sdnotify", "tomllib"}
+           "atedevd.registration", "atedevd.registrar", "atedevd.plugin", "atedevd.kubelet", "atedevd.watch", "atedevd.systemd",
+           "systemd.journal", "inotify.constants", "sdnotify", "tomllib",
+           "atedevd.policy", "atedevd.sockets", "atedevd.devices", "atedevd.metrics", "atedevd.instance",
+           "dataclasses", "datetime", "tempfile", "ctypes", "argparse", "concurrent.futures"}
 _seen = set()
 
 
