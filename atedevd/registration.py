@@ -52,7 +52,7 @@ CHECK_CONFIRM_S = 0.5  # ... again this soon when kubelet's count differs from o
 CHECK_EVERY_S = 60.0  # ... and otherwise this often (kubelet's grace for a lost plugin is 5 min)
 CHECK_BACKOFF_S = (0.0, 30.0, 60.0, 120.0, 300.0)  # between re-registrations the check drives
 STOP_LIMIT_S = 5.0  # on SIGTERM, wait this long at most for kubelet to let go (TimeoutStopSec=20s)
-FAST_RETRY_S = 0.001  # kubelet.sock exists but is not listening yet: try again this soon ...
+FAST_RETRY_S = 0.00025  # kubelet.sock exists but is not listening yet: try again this soon ...
 FAST_WINDOW_S = 0.02  # ... for this long after it appeared, then back off
 LISTEN_GRACE_S = 5.0  # a Register refused though sent this long after kubelet.sock appeared: that kubelet is gone
 SLOW_RETRY_S = 10.0  # kubelet down: look again this often, in case an event was lost

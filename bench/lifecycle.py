@@ -140,9 +140,15 @@ class Lifecycle:
             arrive = next((a - t0 for a in k.arrivals if a >= t0), None)
             healthy = next((h - t0 for h in k.healthy_at if h >= t0), None)
             listen = (k.listening_at - t0) if event.startswith("kubelet-") and k.listening_at else None
+            ks = k.inc.listeners[-1] if event == "kubelet-listen-gap" and k.inc.listeners else None
+            # after kubelet listens: our first connection (the daemon's connect probe), and the first
+            # one that carried bytes (gRPC's, with the Register): the daemon's part of the wait
+            accepted = ks.accepted[0] - k.listening_at if ks is not None and getattr(ks, "accepted", None) else None
+            spoke = ks.first_bytes[0] - k.listening_at if ks is not None and getattr(ks, "first_bytes", None) else None
             launch = next((a - started for a in k.arrivals if started is not None and a >= started), None)
         return {"rejected": rejected if admitted else None, "spells": spells, "reasons": reasons, "by_reason": by_reason,
-                "failure": failure, "arrive": arrive, "healthy": healthy, "listen": listen, "launch": launch}
+                "failure": failure, "arrive": arrive, "healthy": healthy, "listen": listen, "launch": launch,
+                "accepted": accepted, "spoke": spoke}
 
     def _stable(self) -> None:
         """Until the current registration is older than the daemon's STABLE_AFTER_S."""
@@ -215,6 +221,10 @@ def event_rows(event: str, mode: str, results: List[dict], rounds: int) -> List[
             late = [r["arrive"] - r["listen"] for r in results if r["arrive"] is not None and r["listen"] is not None]
             out.append(("lifecycle", "  kubelet listens -> Register arrives (relay included)", stats(late), "p50 <= 2 ms",
                         verdict(bool(late) and percentile(late, 50) <= 0.002)))
+            for key, what in (("accepted", "a first connection is accepted (the daemon's probe)"),
+                              ("spoke", "the first bytes of gRPC's connection")):
+                got = [r[key] for r in results if r[key] is not None]
+                out.append(("lifecycle", f"  kubelet listens -> {what}", stats(got), "", ""))
         out.append(("lifecycle", f"  kubelet.sock appears -> all units healthy", stats([r["healthy"] for r in results if r["healthy"] is not None]), "", ""))
     if total > 0:
         out.append(("lifecycle", "  why, share of the time rejecting", ", ".join(

@@ -1155,6 +1155,8 @@ class _KubeletSocket:
         self._lock = threading.Lock()
         self._closed = False
         self._relayed: List[socket.socket] = []
+        self.accepted: List[float] = []  # when each connection was accepted
+        self.first_bytes: List[float] = []  # when each connection that sent anything sent its first bytes
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             _bind_unix(self._sock, path)
@@ -1172,35 +1174,45 @@ class _KubeletSocket:
         threading.Thread(target=self._accept, daemon=True, name="kubelet.sock").start()
 
     def _accept(self) -> None:
+        """Accept, and hand the connection over at once (as Go's accept loop starts a
+        goroutine per connection): a connection that is slow to relay holds up no other."""
         while True:
             try:
                 conn, _ = self._sock.accept()
             except OSError:  # closed
                 return
-            up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                up.connect(self.upstream)
-            except OSError:
+            self.accepted.append(time.monotonic())
+            threading.Thread(target=self._relay, args=(conn,), daemon=True, name="kubelet.sock relay").start()
+
+    def _relay(self, conn: socket.socket) -> None:
+        up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            up.connect(self.upstream)
+        except OSError:
+            conn.close()
+            up.close()
+            return
+        with self._lock:
+            if self._closed:
                 conn.close()
                 up.close()
-                continue
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    up.close()
-                    return
-                self._relayed += [conn, up]
-            pair = [2]  # pumps still running; the last one closes both sockets
-            for src, dst in ((conn, up), (up, conn)):
-                threading.Thread(target=self._pump, args=(src, dst, conn, up, pair), daemon=True,
-                                 name="kubelet.sock relay").start()
+                return
+            self._relayed += [conn, up]
+        pair = [2]  # pumps still running; the last one closes both sockets
+        threading.Thread(target=self._pump, args=(up, conn, conn, up, pair), daemon=True,
+                         name="kubelet.sock relay").start()
+        self._pump(conn, up, conn, up, pair)
 
     def _pump(self, src: socket.socket, dst: socket.socket, a: socket.socket, b: socket.socket, pair: list) -> None:
+        first = src is a  # the client's direction: its first bytes are stamped
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
                     break
+                if first:
+                    self.first_bytes.append(time.monotonic())
+                    first = False
                 dst.sendall(data)
         except OSError:
             pass

@@ -74,6 +74,29 @@ def test_ready_before_kubelet_and_registers_when_it_appears(start_daemon, plugin
         k.close()
 
 
+@pytest.mark.parametrize("kubelet_up", [True, False], ids=["kubelet-up", "no-kubelet"])
+def test_cycle_collection_is_back_on_once_the_start_is_done(start_daemon, plugin_dir, kubelet_up):
+    """launch.main turns the cycle collector off for the start's imports; the daemon turns it
+    on again (the start's objects frozen) once its first Register is sent, or when there is
+    no kubelet to send it to: a daemon left without it would never free a reference cycle."""
+    os.makedirs(plugin_dir, exist_ok=True)
+    k = Kubelet(plugin_dir) if kubelet_up else None
+    if k:
+        k.start()
+    try:
+        d = start_daemon(log_level="debug")
+        d.wait_ready()
+        if k:
+            assert k.wait_connected(RESOURCE, timeout=5), d.log()
+        assert wait_until(lambda: "start-up done: cycle collection on" in d.log(), 5), d.log()
+        log = d.log()
+        if k:  # after the Register, not before it
+            assert log.index("start-up done") > log.index(f"{RESOURCE}: serving")
+    finally:
+        if k:
+            k.close()
+
+
 def test_plugin_dir_absent_at_start(start_daemon, plugin_dir):
     d = start_daemon()
     d.wait_ready()  # ready with the watches armed, nothing to serve yet
