@@ -44,8 +44,6 @@ def unavailable() -> Optional[str]:
     missing = [t for t in TOOLS if shutil.which(t, path="/usr/sbin:/usr/bin:/sbin:/bin") is None]
     if missing:
         return f"needs {', '.join(missing)} (make deps installs them)"
-    if not Path("/sys/fs/cgroup/cgroup.controllers").exists():
-        return "needs the unified cgroup hierarchy (cgroup v2) for the container's systemd"
     return None
 
 

@@ -187,7 +187,7 @@ def upgrade(node: Container, deb: Path, units: int = UNITS, timeout: float = 60.
     timeline = [(0.0, "apt-get install starts"), (returned - t0, "apt-get install returns")]
     timeline += [(at - t0, text) for at, text in _dpkg_lines(node) if at >= t0]
     unit = _unit_times(node)
-    for key, what in (("ActiveExitTimestampMonotonic", "systemd: stop of the old process begins (SIGTERM)"),
+    for key, what in (("ActiveExitTimestampMonotonic", "systemd: stop of the old process begins (SIGTERM sent)"),
                       ("InactiveEnterTimestampMonotonic", "systemd: old process gone, unit inactive"),
                       ("ExecMainStartTimestampMonotonic", "systemd: new main process forked"),
                       ("ActiveEnterTimestampMonotonic", "systemd: new process READY=1")):
