@@ -2,7 +2,7 @@
 PYTHON ?= /usr/bin/python3
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: deps demo check test test-latest bench bench-lifecycle bench-units bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
+.PHONY: deps demo check test test-latest bench bench-lifecycle bench-units bench-upgrade bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
 
 # Debian 12's own packages: the runtime floor we test, and the tools the tests drive.
 deps:
@@ -41,6 +41,12 @@ bench-lifecycle: deps
 # Register -> all units healthy in kubelet against the configured count.
 bench-units: deps
 	$(PYTHON) -m bench --only units $(if $(QUICK),--quick) $(if $(filter command line environment,$(origin ROUNDS)),--rounds $(ROUNDS))
+
+# The rejection window of a package upgrade (apt install of a newer .deb over the running,
+# registered daemon) in a booted Debian 12 container, the kubelet stand-in outside the unit:
+# ROUNDS upgrades per kubelet mode (default 10; QUICK=1: 3). Needs root.
+bench-upgrade: deps
+	$(PYTHON) -m bench --only upgrade $(if $(QUICK),--quick) $(if $(filter command line environment,$(origin ROUNDS)),--rounds $(ROUNDS))
 
 # The registration scenario matrix, ROUNDS rounds per scenario and kubelet mode (CI runs 3).
 ROUNDS ?= 1000

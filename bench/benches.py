@@ -377,6 +377,13 @@ def units(quick: bool, rounds: Optional[int] = None) -> List[Row]:
     return u.run(rounds or (5 if quick else 30))
 
 
+def upgrade(quick: bool, rounds: Optional[int] = None) -> List[Row]:
+    """The rejection window of a package upgrade in a booted Debian 12 container (bench.upgrade)."""
+    from bench import upgrade as up
+
+    return up.run(rounds or (3 if quick else 10))
+
+
 BENCHES = {
     "startup": startup,
     "rereg": rereg,
@@ -388,4 +395,5 @@ BENCHES = {
     "idle": idle,
     "lifecycle": lifecycle,
     "units": units,
+    "upgrade": upgrade,
 }

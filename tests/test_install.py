@@ -24,7 +24,6 @@ package is erased.
 
 import hashlib
 import json
-import re
 import subprocess
 import time
 from pathlib import Path
@@ -48,19 +47,12 @@ from tests.container import (
     wait_registered,
     wait_until,
 )
+from tests.package_upgrade import DEBS, METRICS_DIR, VERSION, apt_install, build_deb, deb_version, make, \
+    print_timeline, start_kubelet, upgrade
 
 REPO = Path(__file__).resolve().parent.parent
-VERSION = re.search(r'^__version__ = "([^"]+)"$', (REPO / "atedevd/__init__.py").read_text(), re.M).group(1)
-DEBS = "/var/cache/atedevd-test-debs"  # inside the container
 CONFIG = "/etc/atedevd/config.toml"
 WANTS = "/etc/systemd/system/multi-user.target.wants/atedevd.service"
-
-
-def make(dist: Path, *args: str) -> None:
-    p = subprocess.run(["make", "-C", str(REPO), *args, f"DIST_DIR={dist}"], stdin=subprocess.DEVNULL,
-                       capture_output=True, text=True, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
-                                                            "HOME": "/root", "DIST_DIR": str(dist)})
-    assert p.returncode == 0, f"make {' '.join(args)} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
 
 
 # suite -> its python3, for the self-contained packages
@@ -69,10 +61,15 @@ TIMINGS = {}  # unit start -> registered, per cell, printed at the end (pytest -
 
 
 @pytest.fixture(scope="module")
-def packages(tmp_path_factory):
+def debs(tmp_path_factory):
+    """The .deb and its "-2" revision (`make deb`, `make deb DEB_REVISION=2`), into one dist directory."""
     dist = tmp_path_factory.mktemp("dist")
-    make(dist, "deb")
-    make(dist, "deb", "DEB_REVISION=2")
+    return dist, {rev: build_deb(dist, rev) for rev in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def packages(debs):
+    dist, _ = debs
     make(dist, "rpm")
     for py in BUNDLED.values():
         for rev in ("1", "2"):
@@ -105,20 +102,6 @@ def node(packages, request):
         install_test_helpers(n)  # the kubelet stand-in; it will use the installed atedevd.api
         fake_kvm(n)
         yield n
-
-
-def apt_install(node, deb: Path) -> str:
-    # The container has no network: every dependency must come from the cached Debian packages. (Not
-    # --no-download: apt 2.6 then fails on a local .deb with "Pathname to install is not absolute".)
-    p = node.run("apt-get", "install", "-y", "--no-install-recommends", f"{DEBS}/{deb.name}",
-                 check=False, timeout=300)
-    assert p.returncode == 0, f"apt-get install {deb.name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    return p.stdout
-
-
-def deb_version(node, package: str) -> str:
-    p = node.run("dpkg-query", "-W", "-f=${Status} ${Version}", package, check=False)
-    return p.stdout if p.returncode == 0 else ""
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +192,25 @@ def test_deb_upgrade_restarts_reregisters_and_keeps_config(upgraded):
     # The edited conffile is untouched, without a prompt and without a .dpkg-dist beside it.
     assert node.run("sha256sum", CONFIG).stdout == before["config"]
     assert node.run("ls", "/etc/atedevd").stdout.split() == ["config.toml"]
+
+
+def test_deb_upgrade_with_kubelet_outside_the_unit_registers_once_and_leaves_nothing_old(debs):
+    """`apt install` of the newer revision over the running, registered daemon on Debian 12's
+    systemd, kubelet (the stand-in, 1.32's device manager) in a unit of its own recording
+    admission throughout: exactly one Register, the new process registered, healthy, counted by
+    kubelet (pod-resources, read back by the daemon), the old process and its sockets gone, no
+    warning in the journal. How long kubelet rejected meanwhile is bench.upgrade's figure."""
+    _, built = debs
+    with Container(cached_rootfs(clean("bookworm"))) as node:
+        install_test_helpers(node)
+        fake_kvm(node)
+        node.run("mkdir", "-p", METRICS_DIR)
+        apt_install(node, built[1])
+        start_kubelet(node, "1.32")
+        r = upgrade(node, built[2])
+    print_timeline(r)
+    assert not r["problems"], "\n".join(r["problems"])
+    assert (r["registers"], r["accepted"]) == (1, 1), r
 
 
 @pytest.fixture(scope="module")
