@@ -1164,6 +1164,8 @@ class _KubeletSocket:
             self._sock.close()
             raise OSError(e.errno, f"cannot bind {path}: {e.strerror}") from None
         self.created_at = time.monotonic()
+        self._listening = threading.Event()
+        threading.Thread(target=self._accept, daemon=True, name="kubelet.sock").start()
 
     def listen(self) -> None:
         with self._lock:
@@ -1171,11 +1173,15 @@ class _KubeletSocket:
                 return
             self._sock.listen(4096)  # Go: net.core.somaxconn
             self.listening_at = time.monotonic()
-        threading.Thread(target=self._accept, daemon=True, name="kubelet.sock").start()
+        self._listening.set()
 
     def _accept(self) -> None:
         """Accept, and hand the connection over at once (as Go's accept loop starts a
-        goroutine per connection): a connection that is slow to relay holds up no other."""
+        goroutine per connection): a connection that is slow to relay holds up no other.
+        Started with the socket, so that accepting begins the moment it listens (a
+        thread's start takes a Python process a fraction of a millisecond; Go's
+        accept loop runs right after listen returns)."""
+        self._listening.wait()
         while True:
             try:
                 conn, _ = self._sock.accept()
@@ -1185,9 +1191,20 @@ class _KubeletSocket:
             threading.Thread(target=self._relay, args=(conn,), daemon=True, name="kubelet.sock relay").start()
 
     def _relay(self, conn: socket.socket) -> None:
+        """The server is dialled when the client first sends: a connection that closes
+        without a word (a connect probe) costs kubelet nothing, as in Go's server."""
+        try:
+            first = conn.recv(65536)
+        except OSError:
+            first = b""
+        if not first:
+            conn.close()
+            return
+        self.first_bytes.append(time.monotonic())
         up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             up.connect(self.upstream)
+            up.sendall(first)
         except OSError:
             conn.close()
             up.close()
@@ -1204,15 +1221,11 @@ class _KubeletSocket:
         self._pump(conn, up, conn, up, pair)
 
     def _pump(self, src: socket.socket, dst: socket.socket, a: socket.socket, b: socket.socket, pair: list) -> None:
-        first = src is a  # the client's direction: its first bytes are stamped
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
                     break
-                if first:
-                    self.first_bytes.append(time.monotonic())
-                    first = False
                 dst.sendall(data)
         except OSError:
             pass
@@ -1244,6 +1257,7 @@ class _KubeletSocket:
             except OSError:
                 pass
         self._sock.close()
+        self._listening.set()  # one that never listened: its accept thread ends on the closed socket
 
 
 def _is_gap(value) -> bool:
