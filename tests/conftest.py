@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from tests.harness import Daemon, fake_dev_root
+from tests.harness import Daemon, fake_dev_root, wait_until
 from tests.kubelet_standin import MODES, Kubelet
 
 
@@ -68,8 +68,11 @@ def start_daemon(tmp_path, plugin_dir, dev_root):
 
 @pytest.fixture
 def daemon(start_daemon, kubelet):
-    """A daemon registered with a running kubelet stand-in."""
+    """A daemon registered with a running kubelet stand-in: kubelet has its stream, and the
+    daemon has taken in Register's answer (on a starved machine that can come later, and a
+    test's next event would then meet a Register still in flight)."""
     d = start_daemon()
     d.wait_ready()
     assert kubelet.wait_connected("ate.dev/kvm"), d.log()
+    assert wait_until(lambda: ": registered, " in (d.status() or ""), 10), (d.status(), d.log())
     return d

@@ -93,6 +93,10 @@ def main(argv: List[str] = None) -> int:
     print("all (ms):", " ".join(f"{x:.0f}" for x in regs))
     floor = sorted(r["floor"] * 1000 for r in runs)
     print(f"floor ({FLOOR!r}, start -> exit), interleaved: min {floor[0]:.1f} / p50 {percentile(floor, 50):.1f} / max {floor[-1]:.1f} ms")
+    # The machine's speed drifts from one second to the next; each run less the floor timed
+    # right after it is steadier than either: what of the start is ours.
+    ours = sorted((r["register"] - r["floor"]) * 1000 for r in runs)
+    print(f"ours above the floor (each run less the floor beside it): p50 {percentile(ours, 50):.1f} / p90 {percentile(ours, 90):.1f} ms")
     if args.trace:
         print("steps, median ms since start (each run's steps in order; first occurrence):")
         order: List[str] = []
