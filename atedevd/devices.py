@@ -163,7 +163,7 @@ class Snapshot:
 
     def again(self) -> "Snapshot":
         """An equal snapshot that is not this one: a stream sends it as news."""
-        return Snapshot(self._device, self.healthy, self.version, (self._ids, self._response) if self._ids else None)
+        return Snapshot(self._device, self.healthy, self.version, (self._ids, self._response) if self._ids is not None else None)
 
     def _made(self) -> Tuple[FrozenSet[str], pb.ListAndWatchResponse]:
         with self._lock:

@@ -51,10 +51,13 @@ class Workers(futures.Executor):
     def __init__(self, resources: int, start_now: Optional[int] = None) -> None:
         self._tasks: "queue.SimpleQueue" = queue.SimpleQueue()
         self._threads: list = []
+        self._resources = resources
         self._registering = 0
         self.grow(resources, start_now)
 
     def grow(self, resources: int, limit: Optional[int] = None) -> None:
+        if limit is None:
+            self._resources = resources
         size = max(PRESTARTED_WORKERS, UNARY_WORKERS + STREAMS_PER_RESOURCE * resources)
         if limit is not None:
             size = min(size, limit)
@@ -66,7 +69,7 @@ class Workers(futures.Executor):
     def registering(self) -> None:
         """A Register is on its way: kubelet dials back next. Its ListAndWatch stream and
         one unary call of every resource registering so far find a thread at once."""
-        self._registering += 1
+        self._registering = min(self._registering + 1, self._resources)  # re-registrations add none
         self.grow(self._registering, limit=STREAMS_PER_RESOURCE * self._registering + 1)
 
     def submit(self, fn, *args, **kwargs) -> futures.Future:

@@ -425,3 +425,27 @@ def test_failing_after_a_registration_is_a_warning_with_the_reason_in_status(dae
     kubelet.start()
     assert kubelet.wait_connected(RESOURCE, registrations=2, timeout=10), daemon.log()
     assert wait_until(lambda: (daemon.status() or "").startswith("ate.dev/kvm: registered"), 5), daemon.status()
+
+
+def test_worker_threads_start_with_the_first_registers_and_re_registrations_add_none():
+    """No worker thread before a Register; each first Register starts what kubelet's calls after
+    it need; re-registrations (kubelet restarts, handovers: any number) start none."""
+    from atedevd.plugin import PRESTARTED_WORKERS, STREAMS_PER_RESOURCE, UNARY_WORKERS, Workers
+
+    w = Workers(2, start_now=0)
+    try:
+        assert len(w._threads) == 0
+        w.registering()
+        assert len(w._threads) == STREAMS_PER_RESOURCE + 1
+        for _ in range(50):
+            w.registering()
+        assert len(w._threads) == 2 * STREAMS_PER_RESOURCE + 1  # two resources' worth, not 50
+        w.grow(2)  # the rest of the pool, once the first Registers are sent
+        full = len(w._threads)
+        assert full == max(PRESTARTED_WORKERS, UNARY_WORKERS + 2 * STREAMS_PER_RESOURCE)
+        for _ in range(50):
+            w.registering()
+        assert len(w._threads) == full
+        assert w.submit(lambda: 42).result(5) == 42
+    finally:
+        w.shutdown()
