@@ -100,12 +100,18 @@ def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]]) -> Report
         report.add("device-policy", resource, status, line)
     plugin_dir = cfg.device_plugin_dir
     report.add("plugin-dir", plugin_dir, OK, _dir_state(plugin_dir))  # missing: the daemon waits for it
-    sandbox_ok, sandbox_text = sandbox_state(plugin_dir, unit())
+    props = unit()
+    sandbox_ok, sandbox_text = sandbox_state(plugin_dir, props)
     if not sandbox_ok and "sandbox" in sandbox_text:
         report.drop_in = drop_in(plugin_dir)
     report.add("sandbox", UNIT, OK if sandbox_ok else PROBLEM, sandbox_text,
                fix=f"install the drop-in as {DROP_IN}, then: systemctl daemon-reload; systemctl restart {UNIT}"
                if report.drop_in else None)
+    metrics_dir = metrics.resolve_dir(cfg.metrics_dir)
+    status, text = metrics_state(cfg.metrics_dir, props)
+    report.add("metrics", metrics_dir or "", status, text,
+               fix=f"set metrics_dir in {cfg.source or config.DEFAULT_CONFIG_PATH} to a directory node_exporter reads "
+               f"(--collector.textfile.directory) and {UNIT} may write (ReadWritePaths=)" if status != OK else None)
     sock = os.path.join(plugin_dir, "kubelet.sock")
     sock_ok, sock_text = socket_state(sock)
     report.add("kubelet-socket", sock, OK if sock_ok else PROBLEM, sock_text)
@@ -159,6 +165,9 @@ def render_text(report: Report, out: TextIO) -> None:
         rows += [(r, str(c["ours"]), str(c["kubelet"]), "match" if c["ours"] == c["kubelet"] else "MISMATCH")
                  for r, c in view["counts"].items()]
         out.write(f"kubelet's view (pod-resources {view['socket']}):\n{_table(rows)}\n\n")
+    for f in report.findings:
+        if f.check == "metrics" and f.status != OK:
+            out.write(f"WARNING: metrics: {f.message}\n  fix: {f.fix}\n\n")
     links = [f for f in report.findings if f.check == "char-link" and f.status != OK]
     if links:
         out.write("WARNING: under the systemd cgroup driver, runc hands a container's device rules to systemd as\n"
@@ -411,13 +420,42 @@ def sandbox_state(plugin_dir: str, props: Optional[Dict[str, str]]) -> Tuple[boo
         return True, f"unknown ({UNIT} is not loaded here)"
     if props.get("ProtectSystem") != "strict":
         return True, f"{plugin_dir} writable (ProtectSystem={props.get('ProtectSystem') or 'no'})"
-    rw = [p.lstrip("-+") for p in props.get("ReadWritePaths", "").split()]
-    target = os.path.normpath(plugin_dir)
-    if any(target == p or target.startswith(p.rstrip("/") + "/") for p in rw if p):
+    listed = _sandbox_keeps_read_only(plugin_dir, props)
+    if listed is None:
         return True, f"{plugin_dir} writable (ReadWritePaths=)"
-    listed = " ".join(rw) or "nothing"
     return False, (f"{plugin_dir} is read-only in {UNIT}'s sandbox (ProtectSystem=strict; "
                    f"ReadWritePaths= has {listed}): atedevd could not create its sockets there")
+
+
+def _sandbox_keeps_read_only(path: str, props: Dict[str, str]) -> Optional[str]:
+    """What ReadWritePaths= lists, when atedevd.service's ProtectSystem=strict keeps `path`
+    read-only; None when the unit may write there."""
+    if props.get("ProtectSystem") != "strict":
+        return None
+    rw = [p.lstrip("-+") for p in props.get("ReadWritePaths", "").split()]
+    target = os.path.normpath(path)
+    if any(target == p or target.startswith(p.rstrip("/") + "/") for p in rw if p):
+        return None
+    return " ".join(rw) or "nothing"
+
+
+def metrics_state(configured: Optional[str], props: Optional[Dict[str, str]]) -> Tuple[str, str]:
+    """(status, words): can the daemon, as the unit runs it, write atedevd.prom? A warning
+    at most: metrics are not needed to serve, but a fleet that counts on them sees nothing."""
+    directory = metrics.resolve_dir(configured)
+    if directory is None:
+        return OK, ("off (metrics_dir is empty)" if configured == "" else
+                    f"off ({metrics.DEFAULT_DIR}, node_exporter's textfile directory, does not exist)")
+    state = _dir_state(directory)
+    if state != "present":
+        return WARNING, f"{directory} is {state}: atedevd.prom is not written"
+    if not os.access(directory, os.W_OK):
+        return WARNING, f"{directory} is not writable (a read-only mount?): atedevd.prom is not written"
+    listed = None if props is None else _sandbox_keeps_read_only(directory, props)
+    if listed is not None:
+        return WARNING, (f"{directory} is read-only in {UNIT}'s sandbox (ProtectSystem=strict; ReadWritePaths= "
+                         f"has {listed}): atedevd.prom is not written")
+    return OK, f"atedevd.prom is written to {directory}"
 
 
 def drop_in(plugin_dir: str) -> str:

@@ -377,6 +377,36 @@ def test_plugin_dir_not_writable_at_all(node, monkeypatch):
     assert code == 1 and f"  - plugin dir: {node.dp} is not writable (a read-only mount?)" in out
 
 
+# --- metrics ------------------------------------------------------------------------------
+
+
+def test_metrics_state(tmp_path, monkeypatch):
+    here = str(tmp_path / "textfile")
+    os.makedirs(here)
+    unit_rw = dict(DEFAULT_UNIT, ReadWritePaths=f"-/var/lib/kubelet/device-plugins -{here}")
+    assert check.metrics_state("", None) == (check.OK, "off (metrics_dir is empty)")
+    assert check.metrics_state(here, None) == (check.OK, f"atedevd.prom is written to {here}")
+    assert check.metrics_state(here, unit_rw)[0] == check.OK
+    status, text = check.metrics_state(here, DEFAULT_UNIT)  # ProtectSystem=strict, not listed
+    assert status == check.WARNING and f"{here} is read-only in atedevd.service's sandbox" in text
+    status, text = check.metrics_state(str(tmp_path / "gone"), None)
+    assert status == check.WARNING and "is missing: atedevd.prom is not written" in text
+    real = os.access
+    monkeypatch.setattr(check.os, "access", lambda p, m: False if p == here else real(p, m))
+    status, text = check.metrics_state(here, None)
+    assert status == check.WARNING and f"{here} is not writable" in text
+
+
+def test_unwritable_metrics_are_a_warning_not_a_problem(node, tmp_path):
+    node.kubelet()
+    code, out = run(node.cfg(metrics_dir=str(tmp_path / "no-such-dir")))
+    assert code == check.EX_READY
+    assert f"WARNING: metrics: {tmp_path / 'no-such-dir'} is missing: atedevd.prom is not written\n" in out
+    assert "fix: set metrics_dir in" in out and "READY: this node can serve" in out
+    code, out = run(node.cfg(metrics_dir=""))
+    assert code == check.EX_READY and "metrics" not in out
+
+
 def test_shipped_drop_in_example_is_what_check_prints():
     with open(os.path.join(REPO, "systemd/atedevd.service.d/kubelet-root.conf.example")) as f:
         assert f.read() == check.drop_in(K0S)

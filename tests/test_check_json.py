@@ -40,7 +40,8 @@ def test_ready_node_as_json(node):
                        mode="0666", non_root="yes", char_link=f"{node.dev}/char/1:3")
     for f in doc["findings"]:
         assert set(f) == FINDING_KEYS and f["status"] in ("ok", "problem", "warning"), f
-    assert {f["check"] for f in doc["findings"]} == {"device", "char-link", "non-root", "plugin-dir", "sandbox", "kubelet-socket"}
+    assert {f["check"] for f in doc["findings"]} == {"device", "char-link", "non-root", "plugin-dir", "sandbox", "metrics",
+                                                    "kubelet-socket"}
     assert all(f["status"] == "ok" for f in doc["findings"]), doc["findings"]
     assert doc["kubelet_view"]["counts"] is None and "no pod-resources API" in doc["kubelet_view"]["note"]
     assert doc["drop_in"] is None

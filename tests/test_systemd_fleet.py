@@ -84,7 +84,9 @@ def test_the_sandboxed_service_writes_metrics_node_exporter_serves(node, exporte
 
 
 def test_check_json_on_the_node_and_the_char_link_fix(node):
-    """The container's /dev/kvm is made with mknod, not by udev: no /dev/char/10:232."""
+    """The container's /dev/kvm is made with mknod, not by udev: no /dev/char/10:232. node_exporter's
+    textfile directory exists and the shipped unit's sandbox lets the daemon write there."""
+    node.run("mkdir", "-p", "/var/lib/prometheus/node-exporter")
     node.systemctl("start", "atedevd")
     wait_registered(node, 1)
     node.run("rm", "-f", "/dev/char/10:232")
@@ -96,6 +98,8 @@ def test_check_json_on_the_node_and_the_char_link_fix(node):
     assert by["sandbox"]["status"] == "ok" and "ReadWritePaths=" in by["sandbox"]["message"], by["sandbox"]
     assert by["kubelet-count"] == {"check": "kubelet-count", "subject": RESOURCE, "status": "ok",
                                    "message": "kubelet counts 1024 allocatable, as we advertise", "fix": None}
+    assert by["metrics"] == {"check": "metrics", "subject": "/var/lib/prometheus/node-exporter", "status": "ok",
+                             "message": "atedevd.prom is written to /var/lib/prometheus/node-exporter", "fix": None}
     link = by["char-link"]
     assert link["status"] == "warning" and link["message"] == "/dev/char/10:232 is missing", link
     node.sh(link["fix"].split(" or: ", 1)[1])  # the fix as printed: the link
