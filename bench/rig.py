@@ -140,6 +140,22 @@ def threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
+def python_threads(pid: int) -> int:
+    """Threads that kept the process's name: Python's (ours, and grpc's Python-level ones).
+    gRPC's C core names its own (default-executor, event_engine, timer_manager ...), and
+    its executor grows with concurrent calls, which is not ours to keep flat."""
+    with open(f"/proc/{pid}/comm") as f:
+        main = f.read()
+    count = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                count += f.read() == main
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return count
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of the whole process (all threads)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -149,7 +165,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def snapshot(pid: int) -> dict:
-    return {"rss": rss_kib(pid), "anon": rss_kib(pid, "RssAnon"), "file": rss_kib(pid, "RssFile"), "fds": fds(pid), "threads": threads(pid)}
+    return {"rss": rss_kib(pid), "anon": rss_kib(pid, "RssAnon"), "file": rss_kib(pid, "RssFile"), "fds": fds(pid), "threads": threads(pid),
+            "py_threads": python_threads(pid)}
 
 
 def percentile(values, p: float) -> float:
