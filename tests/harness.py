@@ -211,3 +211,24 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def crash_when_file_appears(message: str, name: str = "crash-now") -> str:
+    """A launcher for `python3 -c` (or a file): the real CLI, with the loop made to raise
+    RuntimeError(message) when a file called `name` appears in the plugin directory (the
+    daemon has no test hook), while the gRPC server holds kubelet's stream."""
+    return f"""
+import sys
+import atedevd.daemon
+
+real = atedevd.daemon.Daemon._on_fs_events
+
+def on_fs_events(self, events):
+    if any(e.name == {name!r} for e in events):
+        raise RuntimeError({message!r})
+    return real(self, events)
+
+atedevd.daemon.Daemon._on_fs_events = on_fs_events
+from atedevd import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""

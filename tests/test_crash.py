@@ -13,25 +13,11 @@ import time
 
 import pytest
 
-from tests.harness import REPO, RESOURCE, NotifySocket
+from tests.harness import REPO, RESOURCE, NotifySocket, crash_when_file_appears
 
 # Raises on the loop's thread when the test drops a file named "crash-now" into
 # the plugin directory, while the gRPC server holds kubelet's ListAndWatch stream.
-IN_THE_LOOP = """
-import sys
-import atedevd.daemon
-
-real = atedevd.daemon.Daemon._on_fs_events
-
-def on_fs_events(self, events):
-    if any(e.name == "crash-now" for e in events):
-        raise RuntimeError("injected by the test\\nsecond line of the message")
-    return real(self, events)
-
-atedevd.daemon.Daemon._on_fs_events = on_fs_events
-from atedevd import cli
-sys.exit(cli.main(sys.argv[1:]))
-"""
+IN_THE_LOOP = crash_when_file_appears("injected by the test\nsecond line of the message")
 
 # Raises after the first pass, before the loop (outside its try/finally), once
 # kubelet's ListAndWatch stream is open (it writes its checkpoint on the first

@@ -27,6 +27,7 @@ from tests.container import (
     wait_registered,
     wait_until,
 )
+from tests.harness import crash_when_file_appears
 from tests.metrics_scrape import NodeExporter, value
 
 TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"  # what prometheus-node-exporter's package creates
@@ -108,23 +109,7 @@ def test_check_json_on_the_node_and_the_char_link_fix(node):
     node.systemctl("stop", "atedevd")
 
 
-# The real CLI, with the loop made to raise when a file named crash-now appears in the plugin
-# directory (the daemon has no test hook; tests/test_crash.py does the same without systemd).
-CRASHY = """
-import sys
-import atedevd.daemon
-
-real = atedevd.daemon.Daemon._on_fs_events
-
-def on_fs_events(self, events):
-    if any(e.name == "crash-now" for e in events):
-        raise RuntimeError("injected by the test")
-    return real(self, events)
-
-atedevd.daemon.Daemon._on_fs_events = on_fs_events
-from atedevd import cli
-sys.exit(cli.main(sys.argv[1:]))
-"""
+CRASHY = crash_when_file_appears("injected by the test")  # the real CLI, made to crash on cue
 CRASHY_DROPIN = "/etc/systemd/system/atedevd.service.d/crashy.conf"
 
 
