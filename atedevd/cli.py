@@ -11,7 +11,7 @@ import traceback
 from types import SimpleNamespace
 from typing import List, Optional
 
-from atedevd import config, instance, launch, restarts
+from atedevd import config, instance, restarts, version
 from atedevd.systemd import journal_is_stderr, setup_logging
 
 EX_RUNTIME = 1
@@ -28,7 +28,7 @@ def _parser():
         prog="atedevd",
         description="Grant host device nodes (e.g. /dev/kvm) to Kubernetes pods via the kubelet device plugin API.",
     )
-    p.add_argument("--version", action=launch.version_action())
+    p.add_argument("--version", action=version.version_action())
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run = sub.add_parser("run", help="serve the configured devices to kubelet (what systemd runs)")
     check = sub.add_parser("check", help="can this node serve every configured device? (a table and an exit status)")

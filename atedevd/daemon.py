@@ -2,10 +2,10 @@
 
 Inputs are inotify events (plugin directory and device directories),
 signals, timers and callables posted by gRPC threads (a call finished, a
-stream opened or ended). Registration decisions live in `registration.py`
-(no I/O) and are carried out by `registrar.py`; this loop tracks device
-presence, kubelet.sock and the plugin directory, and tells each resource's
-`Registrar` what happened.
+stream opened or ended). The loop hands them to the `Node` (atedevd/node.py),
+which tells each `Resource` what happened; registration decisions live in
+`atedevd/registration/` (no I/O). What stays here is the process: the loop,
+signals, systemd, the configuration's reload and the metrics file.
 """
 
 import gc
@@ -17,42 +17,23 @@ import re
 import select
 import signal
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
-import inotify.constants as ic
-
-from atedevd import devices, metrics, sockets
-from atedevd.config import Config, ConfigError, Device, load
-from atedevd.kubelet import KUBELET_SOCKET, KubeletView, warm_up
+from atedevd import metrics, sockets
+from atedevd.config import Config, ConfigError, load
+from atedevd.host import Host
+from atedevd.kubelet import warm_up
+from atedevd.node import Node
 from atedevd.plugin import Workers
-from atedevd.registrar import Context, Registrar
-from atedevd.registration import State
+from atedevd.registration.report import Report, describe
 from atedevd.systemd import Notifier, event, set_level
 from atedevd.watch import Watcher
 
 log = logging.getLogger(__name__)
 
 WARNING, INFO, DEBUG = logging.WARNING, logging.INFO, logging.DEBUG
-# Events after which some may be missing: look at kubelet.sock itself.
 OVERFLOW_SAY_EVERY_S = 60.0
 START_WORK_LATEST_S = 0.5  # the start's deferred work waits for the first Registers this long at most
-_LOST_EVENTS = ic.IN_Q_OVERFLOW | ic.IN_DELETE_SELF | ic.IN_MOVE_SELF | ic.IN_IGNORED
-
-
-class Resource:
-    """The loop's record of one configured device."""
-
-    def __init__(self, device: Device, reg: Optional[Registrar] = None) -> None:
-        self.device = device
-        self.reg = reg  # type: ignore[assignment] - None only while the resource is being added
-        self.advertised = False  # once served, kept served (Unhealthy while the node is missing)
-        self.present: Optional[bool] = None
-        self.version = 0
-        self.node = devices.NodeWatch()  # the node first served
-
-    @property
-    def name(self) -> str:
-        return self.device.resource
 
 
 class Daemon:
@@ -62,20 +43,19 @@ class Daemon:
         self.config_required = config_required
         self.overrides = overrides
         self.notifier = Notifier()
-        self.resources: Dict[str, Resource] = {}
         self.reload_error: Optional[str] = None
         self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
-        self._stopping = False
         self._start_work_due: Optional[float] = None
         self.exit_code = 0
         self._plugin_dir_was_mount = False  # under systemd, ReadWritePaths= binds it
-        self._overflow_said = -OVERFLOW_SAY_EVERY_S
+        self._overflow_said: Optional[float] = None
         # No thread before the first Registers (each Register starts what kubelet's calls after
         # it need, Workers.registering); the rest of the pool once they are sent (_start_work).
         self._workers = Workers(len(cfg.devices), start_now=0)
-        self.kubelet = KubeletView(cfg.device_plugin_dir)
         self.metrics = metrics.TextfileWriter(metrics.resolve_dir(cfg.metrics_dir))
-        self._ctx = Context(cfg.device_plugin_dir, sockets.new_run_id(), self._workers, self.kubelet, self._post, self._serve_failed)
+        self._run_id = sockets.new_run_id()
+        self.host = Host(cfg.device_plugin_dir, self._workers, self._post)
+        self.node = Node(cfg.device_plugin_dir, cfg.dev_root, self.host, self._run_id, self._serve_failed)
 
     # --- life cycle -----------------------------------------------------------
 
@@ -88,7 +68,7 @@ class Daemon:
         signal.set_wakeup_fd(sig_w)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)  # the loop reads the number from the wakeup fd
-        self.kubelet.refresh(created=False, events_lost=True)
+        self.node.kubelet.refresh(created=False, events_lost=True)
         self._apply(self.cfg, first=True)
         self._info = metrics.DaemonInfo.current()
         self._wall_offset = metrics.WallOffset()
@@ -107,21 +87,15 @@ class Daemon:
         for fd in fds:
             poller.register(fd, select.POLLIN)
         next_watchdog = time.monotonic()
-        while not (self._stopping and all(r.reg.stopped for r in self.resources.values())):
+        while not self.node.stopped:
             now = time.monotonic()
             if self.notifier.watchdog_interval and now >= next_watchdog:
                 self.notifier.watchdog()
                 next_watchdog = now + self.notifier.watchdog_interval
-            deadlines = [r.reg.deadline for r in self.resources.values() if r.reg.deadline is not None]
-            if self._start_work_due is not None:
-                deadlines.append(self._start_work_due)
-            if self.notifier.watchdog_interval:
-                deadlines.append(next_watchdog)
-            poll_at = self._watcher.poll_deadline()  # directories inotify could not watch are polled
-            if poll_at is not None:
-                deadlines.append(poll_at)
-            if self.metrics.enabled:
-                deadlines.append(self.metrics.deadline())
+            deadlines = [self.node.deadline(), self._start_work_due,
+                         self._watcher.poll_deadline(),  # directories inotify could not watch are polled
+                         next_watchdog if self.notifier.watchdog_interval else None, self.metrics.deadline()]
+            deadlines = [d for d in deadlines if d is not None]
             wait = None if not deadlines else min(deadlines) - now
             for fd in _wait(poller, fds, wait):
                 if fd == self._sig_r:
@@ -135,15 +109,10 @@ class Daemon:
             if poll_at is not None and time.monotonic() >= poll_at:
                 self._on_fs_events(self._watcher.read())
             now = time.monotonic()
-            if not self._stopping and any(r.reg.retry_due(now) for r in self.resources.values()):
-                self._look_at_kubelet(created=False, lost=True)  # in case an event was lost
-            for r in list(self.resources.values()):
-                if r.reg.deadline is not None and r.reg.deadline <= now:
-                    r.reg.on_timer(now)
-            self._reconcile()
+            if self.node.wake(now):  # a resource began to be served: is its directory our sandbox's bind?
+                self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
             if self._start_work_due is not None and (
-                    now >= self._start_work_due or self._stopping
-                    or all(r.reg.registers_sent or r.reg.state is not State.WAITING for r in self.resources.values())):
+                    now >= self._start_work_due or self.node.stopping or self.node.registers_sent()):
                 self._start_work()
             self.notifier.status(self._status())
             self._write_metrics()
@@ -160,16 +129,15 @@ class Daemon:
         # and kubelet neither watches nor dials them once a newer Register replaced them),
         # and removing them raises no event the loop acts on (our names are skipped).
         names = (d.resource for d in self.cfg.devices)
-        for path in sockets.remove_leftovers(self.cfg.device_plugin_dir, names, keep_run=self._ctx.run_id):
+        for path in sockets.remove_leftovers(self.cfg.device_plugin_dir, names, keep_run=self._run_id):
             event(INFO, "leftover-removed", f"removed {path}, left behind by an earlier run", socket=path)
         self._write_metrics()
-        if not self.kubelet.serving:  # kubelet comes later (boot): its first Register need not pay for grpc's first channel
+        if not self.node.kubelet.serving:  # kubelet comes later (boot): its first Register need not pay for grpc's first channel
             warm_up(self.cfg.device_plugin_dir)
 
     def _shutdown(self) -> None:
         event(INFO, "stopping", "stopping: removing our sockets")
-        for r in self.resources.values():
-            r.reg.close()
+        self.node.close(time.monotonic())
         sockets.remove_standby_dir(self.cfg.device_plugin_dir)  # nothing of ours left in kubelet's directory
         self._write_metrics(force=True)  # the last word: every resource stopped, not registered
         self._workers.shutdown(wait=False)
@@ -177,13 +145,10 @@ class Daemon:
 
     def _begin_stop(self) -> None:
         """End our streams; the loop runs on until kubelet has let go of them (bounded)."""
-        if self._stopping:
+        if self.node.stopping:
             return
-        self._stopping = True
         self.notifier.stopping()
-        now = time.monotonic()
-        for r in self.resources.values():
-            r.reg.begin_stop(now)
+        self.node.begin_stop(time.monotonic())
 
     # --- inputs ---------------------------------------------------------------
 
@@ -207,44 +172,17 @@ class Daemon:
         for signum in signums:
             if signum in (signal.SIGTERM, signal.SIGINT):
                 self._begin_stop()
-            elif signum == signal.SIGHUP and not self._stopping:
+            elif signum == signal.SIGHUP and not self.node.stopping:
                 self._reload()
 
     def _on_fs_events(self, events) -> None:
-        plugin_dir = os.path.normpath(self.cfg.device_plugin_dir)
-        ours = tuple(sockets.prefix(n) + "." for n in self.resources) + (sockets.STANDBY_DIR,)
-        created = lost = news = False
-        if any(ev.is_(ic.IN_Q_OVERFLOW) for ev in events):
+        if self.node.on_directory_events(events, time.monotonic()).overflowed:
             self._overflowed()
-        for ev in events:
-            lost |= ev.is_(_LOST_EVENTS) or (ev.is_(ic.IN_ISDIR) and ev.is_(ic.IN_CREATE | ic.IN_MOVED_TO))
-            if ev.directory != plugin_dir or ev.name.startswith(ours):
-                continue
-            news = True
-            created |= ev.name == KUBELET_SOCKET and ev.is_(ic.IN_CREATE | ic.IN_MOVED_TO)
-        if self._stopping:
-            return
-        self._look_at_kubelet(created, lost)
-        if news or lost:  # any news from kubelet's side cuts a retry wait short
-            now = time.monotonic()
-            for r in self.resources.values():
-                r.reg.nudge(now)
-
-    def _look_at_kubelet(self, created: bool, lost: bool) -> None:
-        """Tell every resource when kubelet.sock appeared anew or went away."""
-        now = time.monotonic()
-        if self.kubelet.refresh(created, events_lost=lost):
-            for r in self.resources.values():
-                r.reg.kubelet_started(now)
-        elif self.kubelet.gone:
-            self.kubelet.gone = False
-            for r in self.resources.values():
-                r.reg.kubelet_gone(now)
 
     def _overflowed(self) -> None:
         """Said once a minute at most: the kernel dropped events (a burst in a watched directory)."""
         now = time.monotonic()
-        if now - self._overflow_said < OVERFLOW_SAY_EVERY_S:
+        if self._overflow_said is not None and now - self._overflow_said < OVERFLOW_SAY_EVERY_S:
             return
         self._overflow_said = now
         try:
@@ -255,42 +193,6 @@ class Daemon:
         event(WARNING, "inotify-overflow", f"the inotify queue overflowed{limit}: events were lost; re-checking kubelet.sock, our sockets and the devices")
 
     # --- serving --------------------------------------------------------------
-
-    def _reconcile(self) -> None:
-        """Make what is served match what exists: devices, the plugin directory, our sockets."""
-        if self._stopping:
-            return
-        now = time.monotonic()
-        dir_ok = os.path.isdir(self.cfg.device_plugin_dir)
-        for r in self.resources.values():
-            self._check_presence(r, now)
-            if not dir_ok:
-                r.reg.unserve(now, "the plugin directory is gone")
-            elif r.advertised:
-                unserved = r.reg.state is State.UNSERVED
-                r.reg.serve(now)
-                if unserved and r.reg.state is not State.UNSERVED:
-                    self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
-                r.reg.check_sockets(now)
-
-    def _check_presence(self, r: Resource, now: float) -> None:
-        if r.present is None:  # new, or its configuration changed: whatever node is there now is judged afresh
-            r.node = devices.NodeWatch()
-        change = r.node.look(r.device, self.cfg.dev_root, r.advertised)
-        if change is None:
-            return
-        event(change.level, change.event, f"{r.name}: {change.message}", resource=r.name, device=r.device.path)
-        if change.present == r.present:
-            return
-        r.present = change.present
-        if change.present:
-            r.advertised = True
-        if r.reg is not None:  # None while the resource is being added
-            r.reg.publish(self._snapshot(r), now)
-
-    def _snapshot(self, r: Resource) -> devices.Snapshot:
-        r.version += 1
-        return devices.Snapshot(r.device, bool(r.present), r.version)
 
     def _serve_failed(self, path: str, error: OSError) -> bool:
         """A socket could not be bound. True when that means the daemon must restart."""
@@ -310,9 +212,7 @@ class Daemon:
     # --- configuration --------------------------------------------------------------
 
     def _apply(self, cfg: Config, first: bool = False) -> None:
-        """Adopt `cfg`: resources added start, removed stop, changed register anew
-        (handing over their old socket), unchanged are not touched."""
-        old_root = self.cfg.dev_root
+        """Adopt `cfg`: the node adds, removes and changes resources (atedevd/node.py)."""
         if not first and cfg.device_plugin_dir != self.cfg.device_plugin_dir:
             event(WARNING, "reload", f"device_plugin_dir cannot change on reload; still using {self.cfg.device_plugin_dir} (restart to change it)")
             cfg = cfg._replace(device_plugin_dir=self.cfg.device_plugin_dir)
@@ -323,27 +223,11 @@ class Daemon:
         if not first:  # the first pass runs on the threads started in __init__; run() starts the rest
             self._workers.grow(len(cfg.devices))
         now = time.monotonic()
-        wanted = {d.resource: d for d in cfg.devices}
-        for name in list(self.resources):
-            r = self.resources[name]
-            if name not in wanted:
-                r.reg.close()
-                del self.resources[name]
-                event(INFO, "resource-removed", f"{name}: no longer configured; stopped serving it", resource=name)
-            elif wanted[name] != r.device or cfg.dev_root != old_root:
-                r.device, r.present = wanted[name], None
-                self._check_presence(r, now)
-                r.reg.reconfigure(r.device, self._snapshot(r), now)
-                event(INFO, "resource-changed", f"{name}: configuration changed; registering it anew", resource=name)
-        for name, device in wanted.items():
-            if name not in self.resources:
-                r = Resource(device)
-                self._check_presence(r, now)
-                r.reg = Registrar(device, self._snapshot(r), self._ctx)
-                self.resources[name] = r
+        self.node.apply(cfg.devices, cfg.dev_root, now)
         dirs = [self.cfg.device_plugin_dir] + [os.path.dirname(d.host_path(cfg.dev_root)) for d in cfg.devices]
         self._watcher.want(dirs)
-        self._reconcile()
+        if self.node.reconcile(now):
+            self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
 
     def _reload(self) -> None:
         self.notifier.reloading()
@@ -354,8 +238,7 @@ class Daemon:
             event(logging.ERROR, "reload-failed", f"reload failed; keeping the running configuration:\n{e}")
         else:
             self.reload_error = None
-            for r in self.resources.values():  # the checked configuration accepts the nodes there now
-                r.node.forget()
+            self.node.accept_nodes()  # the checked configuration accepts the nodes there now
             self._apply(cfg)
             event(INFO, "reloaded", f"configuration reloaded: {self._summary()}")
         self.notifier.ready(self._status())
@@ -367,28 +250,28 @@ class Daemon:
         self.metrics.update(self._render_metrics, time.monotonic(), force=force)
 
     def _render_metrics(self) -> str:
-        return metrics.render(self._info, (r.reg for r in self.resources.values()), State,
-                              polling=self._watcher.poll_deadline() is not None,
+        return metrics.render(self._info, self.node.reports(), polling=self._watcher.poll_deadline() is not None,
                               reload_ok=self.reload_error is None, wall_offset=self._wall_offset.current())
 
     def _summary(self) -> str:
-        return ", ".join(f"{r.name} ({r.device.path})" for r in self.resources.values()) or "no devices"
+        return ", ".join(f"{r.name} ({r.device.path})" for r in self.node.resources.values()) or "no devices"
 
     def _status(self) -> str:
         parts: List[str] = []
         if self.reload_error:
             parts.append(f"reload failed, running previous config: {self.reload_error}")
         dir_ok = os.path.isdir(self.cfg.device_plugin_dir)
-        for r in self.resources.values():
-            parts.append(f"{r.name}: {self._describe(r, dir_ok)}")
+        now, wall = time.monotonic(), time.time()
+        for r in self.node.reports():
+            parts.append(f"{r.name}: {self._describe(r, dir_ok, now, wall)}")
         return "; ".join(parts) or "no devices configured"
 
-    def _describe(self, r: Resource, dir_ok: bool) -> str:
+    def _describe(self, r: Report, dir_ok: bool, now: float, wall: float) -> str:
         if not r.advertised:
-            return f"{r.device.path} missing, not advertised"
+            return f"{r.device_path} missing, not advertised"
         if not dir_ok:
             return f"waiting for {self.cfg.device_plugin_dir}"
-        return r.reg.describe()
+        return describe(r, now, wall)
 
 
 def _wait(poller: "select.poll", fds: Tuple[int, ...], wait: Optional[float]) -> List[int]:

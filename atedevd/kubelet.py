@@ -5,7 +5,7 @@ through a callback (posted to the loop), so a kubelet that hangs never blocks it
 """
 
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import grpc
 
@@ -41,16 +41,17 @@ class KubeletView:
 
     A new kubelet is told by the inotify event of its socket being created,
     not by inode numbers (a restarted kubelet can get the old one back); after
-    lost events, by the socket's inode and ctime together.
+    lost events, by the socket's inode and ctime together. `identity(path)`
+    gives those two, or None when there is no file (the host's I/O).
     """
 
-    def __init__(self, plugin_dir: str):
+    def __init__(self, plugin_dir: str, identity: Callable[[str], Optional[Tuple[int, int]]]):
         self.socket = os.path.join(plugin_dir, KUBELET_SOCKET)
-        self.pod_resources = pod_resources_socket(plugin_dir)
+        self._identify = identity
         self.serving = False
         self.since = 0.0  # ctime of the kubelet.sock we know (wall clock)
         self.gone = False  # the last refresh found the socket deleted since the one before
-        self._identity: Optional[tuple] = None
+        self._identity: Optional[Tuple[int, int]] = None
 
     def refresh(self, created: bool, events_lost: bool = False) -> bool:
         """Re-read kubelet.sock; True when a kubelet started serving since the last look.
@@ -59,18 +60,16 @@ class KubeletView:
         may be missing (start-up, queue overflow, polling), so a changed inode or
         ctime counts too; otherwise it does not (a chmod changes the ctime).
         """
-        try:
-            st = os.stat(self.socket)
-        except OSError:
+        identity = self._identify(self.socket)
+        if identity is None:
             self.gone = self.serving
             self.serving, self._identity = False, None
             return False
         self.gone = False
-        identity = (st.st_ino, st.st_ctime_ns)
         new = created or (events_lost and identity != self._identity)
         self.serving, self._identity = True, identity
         if new:
-            self.since = st.st_ctime_ns / 1e9
+            self.since = identity[1] / 1e9
         return new
 
 
@@ -115,7 +114,6 @@ class RegisterCall(_Call):
 
     def __init__(self, plugin_dir: str, resource: str, endpoint: str, on_done: Callable) -> None:
         super().__init__(os.path.join(plugin_dir, KUBELET_SOCKET), on_done)
-        self.endpoint = endpoint
         request = pb.RegisterRequest(
             version=API_VERSION, endpoint=endpoint, resource_name=resource, options=pb.DevicePluginOptions()
         )

@@ -17,6 +17,9 @@ import os
 import time
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
+from atedevd.registration.messages import State, Why
+from atedevd.registration.report import Report
+
 log = logging.getLogger(__name__)
 
 # Debian's and Ubuntu's prometheus-node-exporter read this directory (--collector.textfile.directory).
@@ -25,19 +28,6 @@ FILE_NAME = "atedevd.prom"
 REFRESH_S = 30.0  # at least this often, so that the file's age shows a daemon that stopped
 MIN_INTERVAL_S = 1.0  # at most this often
 
-# Why a Register was sent, as a label: a short, bounded set. Any other reason is the
-# error of the attempt before (a retry).
-REASONS = {
-    "first registration": "first-registration",
-    "kubelet restarted": "kubelet-restarted",
-    "new kubelet.sock": "kubelet-socket-recreated",
-    "our socket was deleted": "socket-deleted",
-    "kubelet ended our stream": "stream-ended",
-    "configuration changed": "config-changed",
-    "kubelet never opened ListAndWatch": "not-watched",
-    "kubelet does not count our devices": "not-counted",
-}
-RETRY = "retry"
 
 
 def resolve_dir(configured: Optional[str]) -> Optional[str]:
@@ -46,10 +36,6 @@ def resolve_dir(configured: Optional[str]) -> Optional[str]:
     if configured is None:
         return DEFAULT_DIR if os.path.isdir(DEFAULT_DIR) else None
     return configured or None
-
-
-def reason_label(why: str) -> str:
-    return REASONS.get(why, RETRY)
 
 
 class DaemonInfo(NamedTuple):
@@ -64,7 +50,7 @@ class DaemonInfo(NamedTuple):
 
     @classmethod
     def current(cls) -> "DaemonInfo":
-        from atedevd.launch import stack_versions
+        from atedevd.version import stack_versions
 
         v = stack_versions()
         return cls(v["version"], v["flavour"], v["grpcio"], v["protobuf"], v["python"], time.monotonic())
@@ -103,11 +89,9 @@ class _Family:
         return "\n".join(out)
 
 
-def render(info: DaemonInfo, registrations: Iterable, states: Iterable, polling: bool,
-           reload_ok: bool, wall_offset: float) -> str:
-    """The whole file. `registrations`: each resource's Registration; `states`: every
-    registration state (an enum); `wall_offset`: wall clock minus monotonic clock (see
-    `WallOffset`), so that an unchanged state renders the same text."""
+def render(info: DaemonInfo, reports: Iterable[Report], polling: bool, reload_ok: bool, wall_offset: float) -> str:
+    """The whole file, from each resource's report. `wall_offset`: wall clock minus
+    monotonic clock (see `WallOffset`), so that an unchanged state renders the same text."""
     f = {}
 
     def family(name: str, kind: str, help_text: str) -> _Family:
@@ -132,29 +116,21 @@ def render(info: DaemonInfo, registrations: Iterable, states: Iterable, polling:
     calls = family("atedevd_resource_register_calls_total", "counter", "Register calls sent to kubelet, by why they were sent.")
     allocs = family("atedevd_resource_allocate_calls_total", "counter", "Allocate calls kubelet made for the resource.")
     failures = family("atedevd_resource_allocate_failures_total", "counter", "Allocate calls refused (unknown device IDs, the device node missing).")
-    all_states = [s.value for s in states]
-    for reg in registrations:
-        name = reg.name
-        current = reg.state.value
-        served = current not in ("unserved", "stopped")
-        is_registered = current == "registered"
-        registered.add(1 if is_registered else 0, resource=name)
-        for s in all_states:
-            state.add(1 if s == current else 0, resource=name, state=s)
-        units = len(reg.snapshot.ids) if served else 0
-        advertised.add(units, resource=name)
-        healthy.add(units if reg.snapshot.healthy else 0, resource=name)
-        if reg.kubelet_count is not None:
-            kubelet.add(reg.kubelet_count, resource=name)
-        changed.add(round(reg.changed_at + wall_offset, 3), resource=name)
-        regs.add(reg.registrations, resource=name)
-        by_reason: Dict[str, int] = {label: 0 for label in (*REASONS.values(), RETRY)}
-        for why, n in reg.reasons.items():
-            by_reason[reason_label(why)] += n
-        for label, n in by_reason.items():
-            calls.add(n, resource=name, reason=label)
-        allocs.add(reg.allocations.calls, resource=name)
-        failures.add(reg.allocations.failures, resource=name)
+    for r in reports:
+        name = r.name
+        registered.add(1 if r.registered else 0, resource=name)
+        for s in State:
+            state.add(1 if s is r.state else 0, resource=name, state=s.value)
+        advertised.add(r.units, resource=name)
+        healthy.add(r.healthy_units, resource=name)
+        if r.kubelet_count is not None:
+            kubelet.add(r.kubelet_count, resource=name)
+        changed.add(round(r.changed_at + wall_offset, 3), resource=name)
+        regs.add(r.registrations, resource=name)
+        for why in Why:
+            calls.add(r.begun.get(why, 0), resource=name, reason=why.value)
+        allocs.add(r.allocate_calls, resource=name)
+        failures.add(r.allocate_failures, resource=name)
     return "\n".join(fam.text() for fam in f.values()) + "\n"
 
 

@@ -3,9 +3,10 @@
 Handlers only read the current immutable `Snapshot` and wait for the next
 one; they never decide anything. What the registration must know — kubelet
 opened its stream, ended it, or a stream was refused — is reported through
-`on_event(kind, server)`; all decisions are made in the control loop.
+`on_event(StreamEvent)`, from gRPC threads; all decisions are made in the control loop.
 """
 
+import enum
 import logging
 import os
 import queue
@@ -33,9 +34,15 @@ PRESTARTED_WORKERS = 16
 # Long lists of bad IDs are named only this far in an error.
 _NAMED_IDS = 3
 
-STREAM_OPENED, STREAM_ENDED, STREAM_REFUSED = "stream-opened", "stream-ended", "stream-refused"
-# kubelet's stream has taken our first device list (gRPC asked for the next message).
-LIST_SENT = "list-sent"
+
+
+class StreamEvent(enum.Enum):
+    """What a server tells the loop about kubelet's ListAndWatch streams."""
+
+    OPENED = "stream-opened"  # kubelet's stream (the first one on this socket)
+    LIST_SENT = "list-sent"  # ... has taken our first device list (gRPC asked for the next message)
+    ENDED = "stream-ended"  # ... ended, not by us
+    REFUSED = "stream-refused"  # a stream beyond the resource's budget was refused
 
 
 class Workers(futures.Executor):
@@ -128,7 +135,7 @@ class PluginServer:
         bind_path: str,
         workers: Workers,
         stream_slots: threading.BoundedSemaphore,
-        on_event: Callable[[str, "PluginServer"], None],
+        on_event: Callable[[StreamEvent], None],
         allocations: Optional[AllocateCounts] = None,
     ):
         self.device = device
@@ -193,11 +200,6 @@ class PluginServer:
                 log.debug("cannot remove %s: %s", self.socket_path, e)
         self.inode = None
 
-    @property
-    def kubelet_connected(self) -> bool:
-        """kubelet opened its stream here at some point (so may still hold a connection)."""
-        return self._primary_taken
-
     def socket_is_ours(self) -> bool:
         try:
             return self.inode is not None and os.lstat(self.socket_path).st_ino == self.inode
@@ -230,7 +232,7 @@ class PluginServer:
 
     def ListAndWatch(self, request, context):
         if not self._slots.acquire(blocking=False):
-            self._on_event(STREAM_REFUSED, self)
+            self._on_event(StreamEvent.REFUSED)
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.device.resource}: already {STREAMS_PER_RESOURCE} ListAndWatch streams open",
@@ -241,7 +243,7 @@ class PluginServer:
             self._streams.add(stream)
         try:
             if stream.primary:
-                self._on_event(STREAM_OPENED, self)
+                self._on_event(StreamEvent.OPENED)
             context.add_callback(self._wake)
             sent = None
             first = stream.primary
@@ -256,13 +258,13 @@ class PluginServer:
                 yield sent.response
                 if first:  # gRPC wants the next message: the first one is on its way to kubelet
                     first = False
-                    self._on_event(LIST_SENT, self)
+                    self._on_event(StreamEvent.LIST_SENT)
         finally:
             with self._cond:
                 self._streams.discard(stream)
             self._slots.release()
             if stream.primary and not stream.ended_by_us:
-                self._on_event(STREAM_ENDED, self)
+                self._on_event(StreamEvent.ENDED)
 
     def Allocate(self, request, context):
         try:

@@ -186,9 +186,9 @@ def _connect_error(path: str) -> Optional[int]:
     return None
 
 
-def held_connections(bind_paths: Iterable[str]) -> int:
+def held_connections(bind_paths: Iterable[str]) -> Optional[int]:
     """How many connections accepted on sockets bound at these paths are still open
-    (what kubelet holds of them): -1 when our descriptors cannot be read.
+    (what kubelet holds of them): None when our descriptors cannot be read.
 
     Read from our own descriptors, not /proc/net/unix: an accepted AF_UNIX connection
     is listed in the *connecting* process's network namespace, so under the unit's
@@ -201,7 +201,7 @@ def held_connections(bind_paths: Iterable[str]) -> int:
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
-        return -1
+        return None
     count = 0
     poller = select.poll()
     for name in fds:

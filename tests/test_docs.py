@@ -81,23 +81,22 @@ def test_man_page_unit_path_matches_the_deb_and_the_rpm():
 
 def test_every_metric_is_documented():
     """Each family the daemon writes is in docs/metrics.md (with its type) and in atedevd(8)."""
-    import types
-
     from atedevd import metrics
-    from atedevd.plugin import AllocateCounts
-    from atedevd.registration import State
+    from atedevd.registration import State, Why
+    from atedevd.registration.report import Report
 
-    reg = types.SimpleNamespace(name=RESOURCE, state=State.REGISTERED, registrations=1, reasons={}, kubelet_count=1,
-                                changed_at=0.0, allocations=AllocateCounts(),
-                                snapshot=types.SimpleNamespace(ids=frozenset(["kvm-0"]), healthy=True))
-    text = metrics.render(metrics.DaemonInfo("v", "f", "g", "p", "py", 0.0), [reg], State, polling=False,
+    report = Report(name=RESOURCE, device_path="/dev/kvm", state=State.REGISTERED, changed_at=0.0, advertised=True,
+                    units=1, healthy_units=1, kubelet_count=1, registrations=1, begun={}, registers_sent=1,
+                    allocate_calls=0, allocate_failures=0, refused_streams=0, last_error=None, failing_since=None,
+                    serve_error=None, last_reregistration=None)
+    text = metrics.render(metrics.DaemonInfo("v", "f", "g", "p", "py", 0.0), [report], polling=False,
                           reload_ok=True, wall_offset=0.0)
     families = dict(line[len("# TYPE "):].split() for line in text.splitlines() if line.startswith("# TYPE "))
     doc, man = read("docs/metrics.md"), read("man/atedevd.8").replace("\\-", "-")
     for name, kind in families.items():
         assert f"| `{name}` | {kind} |" in doc, name
         assert name in man, name
-    for reason in (*metrics.REASONS.values(), metrics.RETRY):
+    for reason in (w.value for w in Why):
         assert f"| `{reason}` |" in doc and reason in man, reason
     for state in State:
         assert f"`{state.value}`" in doc, state

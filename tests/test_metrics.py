@@ -9,15 +9,14 @@ import logging
 import os
 import re
 import signal
-import types
 
 import google.protobuf
 import grpc
 import pytest
 
 from atedevd import config, metrics
-from atedevd.plugin import AllocateCounts
-from atedevd.registration import State
+from atedevd.registration import State, Why
+from atedevd.registration.report import Report
 from tests.harness import RESOURCE
 from tests.metrics_scrape import NodeExporter, parse, series, value
 
@@ -25,18 +24,19 @@ NAME = re.compile(r"atedevd_[a-z0-9_]+\Z")
 INFO = metrics.DaemonInfo("0.1.0", "source", "1.51.1", "4.21.12", "3.11.2", 0.5)  # started at monotonic 0.5
 
 
-def fake_registration(state=State.REGISTERED, kubelet_count=1024, healthy=True, reasons=None, name=RESOURCE):
-    allocations = AllocateCounts()
-    allocations.count(failed=False)
-    allocations.count(failed=True)
-    return types.SimpleNamespace(
-        name=name, state=state, registrations=3, reasons=reasons or {"first registration": 1, "kubelet restarted": 2},
-        kubelet_count=kubelet_count, changed_at=100.25, allocations=allocations,
-        snapshot=types.SimpleNamespace(ids=frozenset(f"kvm-{i}" for i in range(1024)), healthy=healthy))
+def fake_registration(state=State.REGISTERED, kubelet_count=1024, healthy=True, begun=None, name=RESOURCE):
+    served = state not in (State.UNSERVED, State.STOPPED)
+    units = 1024 if served else 0
+    return Report(
+        name=name, device_path="/dev/kvm", state=state, changed_at=100.25, advertised=True, units=units,
+        healthy_units=units if healthy else 0, kubelet_count=kubelet_count, registrations=3,
+        begun=begun or {Why.FIRST: 1, Why.KUBELET_RESTARTED: 2}, registers_sent=4, allocate_calls=2,
+        allocate_failures=1, refused_streams=0, last_error=None, failing_since=None, serve_error=None,
+        last_reregistration=None)
 
 
 def rendered(*regs, polling=False, reload_ok=True):
-    text = metrics.render(INFO, regs, State, polling=polling, reload_ok=reload_ok, wall_offset=1700000000.0)
+    text = metrics.render(INFO, regs, polling=polling, reload_ok=reload_ok, wall_offset=1700000000.0)
     return text, parse(text)
 
 
@@ -91,11 +91,13 @@ def test_an_unserved_resource_with_a_missing_device_and_no_kubelet_count():
 
 
 def test_reasons_are_a_bounded_label_set():
-    """A retry's reason is the last error's text: it must not become a label value."""
-    _, (s, _, _) = rendered(fake_registration(reasons={"kubelet.sock does not exist yet": 2, "Register: UNAVAILABLE: x 17": 1}))
+    """The `reason` label is the Why enum's value: every one present, nothing else, whatever
+    the journal's words (a retry's error text is kept by the tally, never counted)."""
+    _, (s, _, _) = rendered(fake_registration(begun={Why.RETRY: 3, Why.NOT_COUNTED: 1}))
     reasons = {dict(k[1])["reason"] for k in series(s, "atedevd_resource_register_calls_total")}
-    assert reasons == set(metrics.REASONS.values()) | {"retry"}
+    assert reasons == {w.value for w in Why}
     assert value(s, "atedevd_resource_register_calls_total", resource=RESOURCE, reason="retry") == 3
+    assert value(s, "atedevd_resource_register_calls_total", resource=RESOURCE, reason="not-counted") == 1
 
 
 def test_label_values_are_escaped():

@@ -12,8 +12,8 @@ in one kubelet process, and the daemon itself registered.
 import multiprocessing
 from typing import Callable, Dict, List, Optional, Tuple
 
-from atedevd import registration
-from atedevd.registration import State
+from atedevd.registration import handover
+from atedevd.registration.messages import State
 from tests.simulation.world import RESOURCE, World
 
 MODES = ("1.32", "current")
@@ -112,8 +112,8 @@ def end_state(w: World) -> List[str]:
     problems = []
     if d is None or not d.alive:
         return ["the daemon is not running"]
-    if d.m.state is not State.REGISTERED:
-        problems.append(f"the daemon is {d.m.state.value}, not registered")
+    if d.state is not State.REGISTERED:
+        problems.append(f"the daemon is {d.state.value}, not registered")
     problems += w.kubelet.problems(RESOURCE, w.count, d.current_socket())
     return problems
 
@@ -124,7 +124,7 @@ def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep:
     """One round: the problems with its end state (none: healthy), with `keep` its history, and
     how many events it took."""
     if fixed_wait is not None:
-        registration.FIXED_WAIT_S = fixed_wait
+        handover.FIXED_WAIT_S = fixed_wait
     w = World(seed, mode, max_delay=max_delay, pod_resources=pod_resources, connections_visible=connections_visible)
     w.trace = keep
     w.kubelet.start()

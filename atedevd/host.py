@@ -1,0 +1,104 @@
+"""The I/O beneath the performer and the node, on a real host.
+
+Everything `atedevd/performer.py` and `atedevd/node.py` do to the world goes
+through one `Host`: the clocks, kubelet.sock and our socket files, the plugin
+servers, the Register and pod-resources calls, the journal. The simulation
+(tests/simulation/host.py) implements the same methods against its model of
+kubelet and the directory, on its own clock: that is all it fakes.
+
+Outcomes of calls come back through `post` (onto the loop, never on a gRPC
+thread), already typed: `Outcome` for Register, `Listing` for pod-resources.
+"""
+
+import logging
+import os
+import time
+from functools import partial
+from typing import Callable, Optional, Set, Tuple
+
+from atedevd import sockets
+from atedevd.kubelet import KUBELET_SOCKET, AllocatableCall, RegisterCall, not_listening, pod_resources_socket
+from atedevd.plugin import PluginServer, Workers
+from atedevd.registration.messages import Listing, Outcome
+from atedevd.systemd import event
+
+log = logging.getLogger(__name__)
+
+
+class Host:
+    monotonic = staticmethod(time.monotonic)
+    wall = staticmethod(time.time)
+    isdir = staticmethod(os.path.isdir)
+    exists = staticmethod(os.path.exists)
+    listening = staticmethod(sockets.listening)  # someone accepts connections on that socket
+    held_connections = staticmethod(sockets.held_connections)  # kubelet's connections to our sockets
+
+    def __init__(self, plugin_dir: str, workers: Workers, post: Callable[[Callable[[], None]], None]) -> None:
+        self.plugin_dir = plugin_dir
+        self.kubelet_socket = os.path.join(plugin_dir, KUBELET_SOCKET)
+        self.pod_resources_socket = pod_resources_socket(plugin_dir)
+        self.workers = workers
+        self.post = post  # run a callable on the loop (from gRPC threads)
+        self._said: Set[str] = set()  # `once` keys already logged
+
+    @staticmethod
+    def identity(path: str) -> Optional[Tuple[int, int]]:
+        """(inode, ctime) of the file at `path`, None when there is none."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_ctime_ns
+
+    @staticmethod
+    def make_dir(path: str) -> None:
+        try:
+            os.mkdir(path, mode=0o700)
+        except FileExistsError:
+            pass
+
+    def server(self, device, path: str, slots, allocations, on_event: Callable) -> PluginServer:
+        """A plugin server for `device` at `path`, not started; `on_event(StreamEvent)` runs on the loop."""
+        return PluginServer(device, path, self.workers, slots, lambda kind: self.post(partial(on_event, kind)), allocations)
+
+    def register(self, resource: str, endpoint: str, done: Callable[[Outcome, Optional[str]], None]):
+        """Register `endpoint` for `resource`; `done(outcome, error)` on the loop. Returns the call (cancel())."""
+        call = RegisterCall(self.plugin_dir, resource, endpoint,
+                            lambda c, _result, error: self.post(partial(self._register_done, c, error, done)))
+        self.workers.registering()
+        return call
+
+    def ask_allocatable(self, path: str, done: Callable[[Listing, dict, Optional[str]], None]):
+        """How many devices kubelet lists per resource: `done(listing, {resource: count}, error)` on the loop."""
+        return AllocatableCall(path, lambda c, result, error: self.post(partial(self._ask_done, c, result, error, done)))
+
+    def say(self, level: int, kind: str, text: str, once: Optional[str] = None, **fields: str) -> None:
+        """A journal line (`once`: a key said at most once per daemon)."""
+        if once is not None:
+            if once in self._said:
+                return
+            self._said.add(once)
+        if level == logging.DEBUG:
+            log.debug("%s", text)
+        else:
+            event(level, kind, text, **fields)
+
+    @staticmethod
+    def _register_done(call: RegisterCall, error: Optional[str], done) -> None:
+        call.close()
+        if error is None:
+            done(Outcome.OK, None)
+        else:
+            done(Outcome.REFUSED if not_listening(call.code) else Outcome.FAILED, error)
+
+    @staticmethod
+    def _ask_done(call: AllocatableCall, result: Optional[dict], error: Optional[str], done) -> None:
+        call.close()
+        if error is None:
+            done(Listing.LISTED, {name: len(ids) for name, ids in result.items()}, None)
+        elif not_listening(call.code):
+            done(Listing.REFUSED, {}, error)
+        elif call.code is not None and call.code.name == "UNIMPLEMENTED":
+            done(Listing.ABSENT, {}, error)
+        else:
+            done(Listing.FAILED, {}, error)

@@ -1,0 +1,167 @@
+"""kubelet's plugin directory as atedevd sees it, and every resource served there.
+
+The daemon's loop (atedevd/daemon.py) and the simulation (tests/simulation)
+both drive a `Node`: the directory events the watcher reports go through
+`interpret`, the one reading of what the kernel told us, and become what each
+`Resource` is told (kubelet started or went away, a socket of ours was deleted,
+a nudge); after every wake-up, `wake` runs what is due and makes what is
+served match what exists. All I/O goes through the host.
+"""
+
+import logging
+import os
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence
+
+import inotify.constants as ic
+
+from atedevd import sockets
+from atedevd.config import Device
+from atedevd.kubelet import KUBELET_SOCKET, KubeletView
+from atedevd.registration.messages import State
+from atedevd.registration.report import Report
+from atedevd.resource import Resource
+
+INFO = logging.INFO
+# Events after which some may be missing: look at kubelet.sock itself.
+_LOST_EVENTS = ic.IN_Q_OVERFLOW | ic.IN_DELETE_SELF | ic.IN_MOVE_SELF | ic.IN_IGNORED
+_MADE = ic.IN_CREATE | ic.IN_MOVED_TO
+
+
+class DirectoryNews(NamedTuple):
+    """What one batch of watcher events means for registration."""
+
+    kubelet_created: bool  # kubelet.sock was (re)created
+    events_lost: bool  # events may be missing (overflow, a watched directory came or went)
+    overflowed: bool  # the kernel's queue overflowed
+    from_kubelet: bool  # anything happened in kubelet's directory that is not ours
+
+
+def interpret(events: Iterable, plugin_dir: str, resources: Iterable[str]) -> DirectoryNews:
+    """Read a batch of watch.Event (inotify's, or polling's of the same shape): our own
+    sockets and the standby directory are not news."""
+    plugin_dir = os.path.normpath(plugin_dir)
+    ours = tuple(sockets.prefix(n) + "." for n in resources) + (sockets.STANDBY_DIR,)
+    created = lost = overflowed = news = False
+    for ev in events:
+        overflowed |= ev.is_(ic.IN_Q_OVERFLOW)
+        lost |= ev.is_(_LOST_EVENTS) or (ev.is_(ic.IN_ISDIR) and ev.is_(_MADE))
+        if ev.directory != plugin_dir or ev.name.startswith(ours):
+            continue
+        news = True
+        created |= ev.name == KUBELET_SOCKET and ev.is_(_MADE)
+    return DirectoryNews(created, lost, overflowed, news)
+
+
+class Node:
+    def __init__(self, plugin_dir: str, dev_root: str, host, run_id: str, serve_failed) -> None:
+        self.plugin_dir = plugin_dir
+        self.dev_root = dev_root
+        self.host = host
+        self.run_id = run_id
+        self.serve_failed = serve_failed  # (path, OSError) -> True when the daemon stops because of it
+        self.kubelet = KubeletView(plugin_dir, host.identity)
+        self.resources: Dict[str, Resource] = {}
+        self.stopping = False
+
+    # --- configuration -------------------------------------------------------------------------
+
+    def apply(self, devices: Sequence[Device], dev_root: str, now: float) -> None:
+        """Adopt these devices: added start, removed stop, changed register anew (handing
+        over their old socket), unchanged are not touched."""
+        moved = dev_root != self.dev_root
+        self.dev_root = dev_root
+        wanted = {d.resource: d for d in devices}
+        for name in list(self.resources):
+            r = self.resources[name]
+            if name not in wanted:
+                r.close(now)
+                del self.resources[name]
+                self.host.say(INFO, "resource-removed", f"{name}: no longer configured; stopped serving it", resource=name)
+            elif wanted[name] != r.device or moved:
+                r.reconfigure(wanted[name], dev_root, now)
+                self.host.say(INFO, "resource-changed", f"{name}: configuration changed; registering it anew", resource=name)
+        for name, device in wanted.items():
+            if name not in self.resources:
+                self.resources[name] = Resource(device, dev_root, self.host, self.run_id, self.serve_failed)
+
+    def accept_nodes(self) -> None:
+        """A reload checked the configuration: the nodes there now are the devices'."""
+        for r in self.resources.values():
+            r.accept_nodes()
+
+    # --- what happened ---------------------------------------------------------------------------
+
+    def on_directory_events(self, events: Iterable, now: float) -> DirectoryNews:
+        news = interpret(events, self.plugin_dir, self.resources)
+        if self.stopping:
+            return news
+        self.look_at_kubelet(now, news.kubelet_created, news.events_lost)
+        for r in self.resources.values():
+            r.check_sockets(now)
+            if news.from_kubelet or news.events_lost:  # any news from kubelet's side cuts a retry wait short
+                r.nudge(now)
+        return news
+
+    def look_at_kubelet(self, now: float, created: bool, lost: bool) -> None:
+        """Tell every resource when kubelet.sock appeared anew or went away."""
+        if self.kubelet.refresh(created, events_lost=lost):
+            for r in self.resources.values():
+                r.kubelet_started(now, self.kubelet)
+        elif self.kubelet.gone:
+            self.kubelet.gone = False
+            for r in self.resources.values():
+                r.kubelet_gone(now)
+
+    def wake(self, now: float) -> bool:
+        """After any wake-up: what is due, then what is served made to match what exists.
+        True when a resource began to be served."""
+        if not self.stopping and any(r.retry_due(now) for r in self.resources.values()):
+            self.look_at_kubelet(now, created=False, lost=True)  # in case an event was lost
+        for r in list(self.resources.values()):
+            if r.deadline is not None and r.deadline <= now:
+                r.on_timer(now)
+        return self.reconcile(now)
+
+    def reconcile(self, now: float) -> bool:
+        """Make what is served match what exists: devices, the plugin directory, our sockets."""
+        if self.stopping:
+            return False
+        began = False
+        dir_ok = self.host.isdir(self.plugin_dir)
+        for r in self.resources.values():
+            r.look_at_device(self.dev_root)
+            if not dir_ok:
+                r.unserve(now, "the plugin directory is gone")
+            elif r.advertised:
+                unserved = r.state is State.UNSERVED
+                r.serve(now, self.kubelet)
+                began |= unserved and r.state is not State.UNSERVED
+                r.check_sockets(now)
+        return began
+
+    def begin_stop(self, now: float) -> None:
+        """End our streams; the caller runs on until kubelet has let go of them (bounded)."""
+        self.stopping = True
+        for r in self.resources.values():
+            r.begin_stop(now)
+
+    def close(self, now: float) -> None:
+        for r in self.resources.values():
+            r.close(now)
+
+    # --- what the loop asks ----------------------------------------------------------------------
+
+    @property
+    def stopped(self) -> bool:
+        return self.stopping and all(r.stopped for r in self.resources.values())
+
+    def deadline(self) -> Optional[float]:
+        times = [r.deadline for r in self.resources.values() if r.deadline is not None]
+        return min(times) if times else None
+
+    def registers_sent(self) -> bool:
+        """Every resource's first Register is on its way (or it is not waiting for one)."""
+        return all(r.performer.registers_sent or r.state is not State.WAITING for r in self.resources.values())
+
+    def reports(self) -> List[Report]:
+        return [r.report() for r in self.resources.values()]

@@ -1,0 +1,182 @@
+"""Carries out what one resource's registration machine decides, by the action's type.
+
+It turns the machine's actions into binds, renames, Register and pod-resources
+calls, stream endings and journal lines, and feeds every outcome back in as an
+event. All of it goes through a `Host` (atedevd/host.py: sockets, gRPC calls,
+the clock, the journal); the simulation (tests/simulation) runs this same
+performer on a host of its own, so only the I/O beneath it is ever faked.
+It decides nothing: `atedevd/registration/` does.
+"""
+
+import logging
+import os
+from typing import Dict, Optional, Set
+
+from atedevd import sockets
+from atedevd.plugin import StreamEvent
+from atedevd.registration import messages as m
+from atedevd.registration.machine import Registration
+from atedevd.registration.messages import Listing, Outcome
+
+# What a plugin server reports, as machine events.
+_STREAM_EVENTS = {StreamEvent.OPENED: m.StreamOpened, StreamEvent.LIST_SENT: m.ListSent, StreamEvent.ENDED: m.StreamEnded}
+
+
+class Performer:
+    """The sockets and calls of one resource; `owner` gives its device, snapshot,
+    stream budget and Allocate counts (atedevd/resource.py)."""
+
+    def __init__(self, owner, machine: Registration, host, run_id: str, serve_failed) -> None:
+        self.owner = owner
+        self.machine = machine
+        self.host = host
+        self.plugin_dir = host.plugin_dir
+        self.run_id = run_id
+        self.serve_failed = serve_failed  # (path, OSError) -> True when the daemon stops because of it
+        self.servers: Dict[int, object] = {}  # by socket id
+        self._calls: Dict[int, object] = {}  # by call id, for cancelling
+        self._told_gone: Set[int] = set()  # sockets the machine was told are deleted
+        self._names = 0  # socket names used
+        self.registers_sent = 0
+
+    @property
+    def name(self) -> str:
+        return self.owner.device.resource
+
+    def run(self) -> None:
+        """Carry out every action the machine has asked for, feeding outcomes back."""
+        while self.machine.actions:
+            for action in self.machine.take():
+                _DO[type(action)](self, action)
+
+    def handle(self, event) -> None:
+        """An event for the machine, now; then whatever it asks for."""
+        self.machine.handle(self.host.monotonic(), event)
+        self.run()
+
+    # --- the actions -------------------------------------------------------------------------
+
+    def _bind(self, a: m.Bind) -> None:
+        self._names += 1
+        directory = os.path.join(self.plugin_dir, sockets.STANDBY_DIR) if a.standby else self.plugin_dir
+        path = os.path.join(directory, sockets.socket_name(self.name, self.run_id, self._names))
+        server = self.host.server(self.owner.device, path, self.owner.stream_slots, self.owner.allocations,
+                                  lambda kind, sid=a.sid: self._stream_event(kind, sid))
+        server.publish(self.owner.snapshot)
+        try:
+            if a.standby:  # never the plugin directory itself: that is kubelet's to make
+                self.host.make_dir(directory)
+            server.start()
+        except OSError as e:
+            server.stop()
+            if self.serve_failed(path, e):
+                return  # the daemon stops: the machine was told to
+            self.machine.handle(self.host.monotonic(), m.Bound(a.sid, f"on {path}: {e.strerror or e}"))
+            return
+        self.servers[a.sid] = server
+        self.machine.handle(self.host.monotonic(), m.Bound(a.sid))
+
+    def _place(self, a: m.Place) -> None:
+        server = self.servers.get(a.sid)
+        error = None
+        try:
+            if server is None:
+                raise OSError("the socket is gone")
+            server.move_to(os.path.join(self.plugin_dir, os.path.basename(server.bind_path)))
+        except OSError as e:
+            error = f"on {self.plugin_dir}: {e.strerror or e}"
+        self.machine.handle(self.host.monotonic(), m.Placed(a.sid, error))
+
+    def _register(self, a: m.SendRegister) -> None:
+        server = self.servers[a.sid]
+        if not self.host.listening(self.host.kubelet_socket):  # kubelet.sock made, not yet listened on
+            self.machine.handle(self.host.monotonic(), m.RegisterDone(a.cid, Outcome.REFUSED, "kubelet is not accepting connections"))
+            return
+        self.registers_sent += 1
+        device = self.owner.device
+        self.host.say(logging.INFO if self.registers_sent == 1 else logging.DEBUG, "serving",
+                      f"{self.name}: serving {self.machine.units} units of {device.path} on {server.socket_path}",
+                      resource=self.name, device=device.path, socket=server.socket_path)
+        self._calls[a.cid] = self.host.register(self.name, os.path.basename(server.socket_path),
+                                                lambda outcome, error: self._register_done(a.cid, outcome, error))
+
+    def _ask(self, a: m.AskPodResources) -> None:
+        path = self.host.pod_resources_socket
+        if not self.host.exists(path):
+            self.machine.handle(self.host.monotonic(), m.Listed(a.cid, Listing.ABSENT))
+            return
+        self._calls[a.cid] = self.host.ask_allocatable(path, lambda listing, counts, error: self._ask_done(a.cid, listing, counts, error))
+
+    def _count(self, a: m.CountConnections) -> None:
+        paths = [self.servers[s].bind_path for s in a.sids if s in self.servers]
+        self.machine.handle(self.host.monotonic(), m.ConnectionsCounted(self.host.held_connections(paths) if paths else 0))
+
+    def _cancel(self, a: m.CancelCall) -> None:
+        call = self._calls.get(a.cid)
+        if call is not None:
+            call.cancel()  # its outcome still comes back (and releases the channel); the machine ignores it
+
+    def _end_streams(self, a: m.EndStreams) -> None:
+        server = self.servers.get(a.sid)
+        if server is not None:
+            server.end_streams()
+
+    def _resend(self, a: m.ResendList) -> None:
+        server = self.servers.get(a.sid)
+        if server is not None:
+            server.resend()
+
+    def _close(self, a: m.CloseSocket) -> None:
+        server = self.servers.pop(a.sid, None)
+        self._told_gone.discard(a.sid)
+        if server is not None:
+            server.stop()
+
+    def _say(self, a: m.Say) -> None:
+        self.host.say(a.level, a.kind, a.text, once=a.once, resource=self.name)
+
+    # --- outcomes, on the loop -------------------------------------------------------------------
+
+    def _stream_event(self, kind: StreamEvent, sid: int) -> None:
+        if kind is StreamEvent.REFUSED:
+            server = self.servers.get(sid)
+            self.handle(m.StreamRefused(sid, self.owner.stream_limit, server.socket_path if server else ""))
+        else:
+            self.handle(_STREAM_EVENTS[kind](sid))
+
+    def _register_done(self, cid: int, outcome: Outcome, error: Optional[str]) -> None:
+        self._calls.pop(cid, None)
+        self.handle(m.RegisterDone(cid, outcome, error or ""))
+
+    def _ask_done(self, cid: int, listing: Listing, counts: dict, error: Optional[str]) -> None:
+        self._calls.pop(cid, None)
+        if listing is Listing.FAILED:
+            self.host.say(logging.DEBUG, "pod-resources", f"{self.name}: pod-resources did not answer: {error}")
+        self.handle(m.Listed(cid, listing, counts.get(self.name, 0)))
+
+    # --- for the owner -----------------------------------------------------------------------------
+
+    def newly_gone(self) -> list:
+        """The sockets whose file stopped being ours (deleted, or replaced) since the last look."""
+        gone = [sid for sid, server in self.servers.items()
+                if sid not in self._told_gone and server.inode is not None and not server.socket_is_ours()]
+        self._told_gone.update(gone)
+        return gone
+
+    def is_ours(self, sid: int) -> bool:
+        server = self.servers.get(sid)
+        return server is not None and server.socket_is_ours()
+
+    def publish(self, snapshot, device) -> None:
+        """A new device table to every socket serving `device` (old sockets keep the old one)."""
+        for server in self.servers.values():
+            if server.device == device:
+                server.publish(snapshot)
+
+
+_DO = {
+    m.Bind: Performer._bind, m.Place: Performer._place, m.SendRegister: Performer._register,
+    m.AskPodResources: Performer._ask, m.CountConnections: Performer._count, m.CancelCall: Performer._cancel,
+    m.EndStreams: Performer._end_streams, m.ResendList: Performer._resend, m.CloseSocket: Performer._close,
+    m.Say: Performer._say,
+}

@@ -1,0 +1,101 @@
+"""Does kubelet count our devices? The pod-resources check of one registered resource: no I/O.
+
+kubelet lists in pod-resources only the device IDs it holds healthy: all of them
+while all is well; none after the plugin was disconnected, while an endpoint is
+stopped, after the grace period, and after a kubelet restart until the plugin
+registers. So "we send N healthy units, kubelet lists another number", seen
+twice 0.5 s apart, is a lost registration. It never gives up: the
+re-registrations it drives back off (30 s, 60 s, 120 s, then every 5 minutes).
+"""
+
+import enum
+import logging
+from typing import Optional
+
+from atedevd.registration import handover
+from atedevd.registration.messages import Listing, Say
+
+FIRST_S = 0.25  # kubelet has our first list (or a new one): ask this soon ...
+CONFIRM_S = 0.5  # ... again this soon when kubelet's count differs from ours ...
+EVERY_S = 60.0  # ... and otherwise this often (kubelet's grace for a lost plugin is 5 min)
+BACKOFF_S = (0.0, 30.0, 60.0, 120.0, 300.0)  # between re-registrations the check drives
+
+
+class Agreement(enum.Enum):
+    UNKNOWN = "unknown"  # not asked yet, or not answered
+    AGREES = "agrees"  # kubelet counts what we send
+    DOUBTED = "doubted"  # one count differed: asked again soon
+    LOST = "lost"  # differed twice: the machine registers again
+
+
+class CountCheck:
+    """When to ask pod-resources next, and what its answers mean."""
+
+    def __init__(self, name: str, out: list) -> None:
+        self.name = name
+        self._out = out
+        self.agreement = Agreement.UNKNOWN
+        self.deadline: Optional[float] = None  # the next question is due then
+        self.served: Optional[bool] = None  # kubelet serves pod-resources, as last seen (None: not asked yet)
+        self.kubelet_count: Optional[int] = None  # what it listed last
+        self._reregistered = 0  # re-registrations it drove, in a row
+        self._reregistered_at: Optional[float] = None
+
+    def soon(self, now: float) -> None:
+        """kubelet has a new device list of ours: its count follows; look again soon."""
+        if self.agreement is Agreement.DOUBTED:
+            self.agreement = Agreement.UNKNOWN
+        self.deadline = now + FIRST_S
+
+    def first_list(self, now: float) -> None:
+        """kubelet has the new registration's first device list: ask soon."""
+        self.deadline = now + FIRST_S
+
+    def stop(self) -> None:
+        """Not registered any more: nothing to ask until it is again."""
+        self.deadline = None
+
+    def registered(self) -> None:
+        if self.agreement is Agreement.DOUBTED:
+            self.agreement = Agreement.UNKNOWN
+
+    def seen(self, listing: Listing) -> None:
+        """Whether pod-resources is served, from any answer; said once each way."""
+        if listing is Listing.LISTED:
+            served = True
+        elif listing is Listing.ABSENT:
+            served = False
+        else:
+            return
+        if served == self.served:
+            return
+        self.served = served
+        if served:
+            self._out.append(Say(logging.INFO, "pod-resources", "kubelet's pod-resources API is served: it cross-checks that kubelet counts our devices, and shows when kubelet has let go of an old socket", "pod-resources-served"))
+        else:
+            self._out.append(Say(logging.INFO, "pod-resources", f"kubelet's pod-resources API is not served: nothing cross-checks that kubelet counts our devices, and kubelet is given a fixed {handover.FIXED_WAIT_S * 1000:.0f} ms to let go of an old socket", "pod-resources-absent"))
+
+    def on_answer(self, now: float, listing: Listing, count: int, expected: int) -> bool:
+        """The answer to the check's question; True when the registration is lost (register again)."""
+        if listing is not Listing.LISTED:
+            self.deadline = now + EVERY_S
+            return False
+        self.kubelet_count = count
+        if count == expected or expected == 0:
+            self.agreement, self._reregistered = Agreement.AGREES, 0
+            self.deadline = now + EVERY_S
+            return False
+        if self.agreement is not Agreement.DOUBTED:
+            self.agreement = Agreement.DOUBTED
+            self.deadline = now + CONFIRM_S
+            return False
+        wait = BACKOFF_S[min(self._reregistered, len(BACKOFF_S) - 1)]
+        if self._reregistered_at is not None and now < self._reregistered_at + wait:
+            self.deadline = min(self._reregistered_at + wait, now + EVERY_S)
+            return False
+        self._reregistered += 1
+        self._reregistered_at = now
+        self.agreement = Agreement.LOST
+        self.deadline = None
+        self._out.append(Say(logging.WARNING, "not-counted", f"{self.name}: kubelet does not count our devices (pod-resources lists {count} of {expected} as allocatable) although we are registered; registering again (time {self._reregistered} in a row)"))
+        return True

@@ -1,0 +1,275 @@
+"""What goes into the registration machine and what comes out: typed values only.
+
+Events go in through `Registration.handle(now, event)`, actions come out of
+`Registration.take()`, and the performer carries each action out by its type
+(`atedevd/performer.py`; the simulation's fakes sit beneath that performer).
+Every enum here is a bounded set: the metrics' labels are their values, so a
+reworded log line can never change a series.
+"""
+
+import enum
+from typing import NamedTuple, Optional, Tuple
+
+
+class State(enum.Enum):
+    """Where one resource's registration stands (the metrics' `state` label)."""
+
+    UNSERVED = "unserved"  # nothing bound: not advertised, no directory, or binding fails
+    WAITING = "waiting"  # kubelet not serving, or a retry is due
+    LETTING_GO = "letting-go"  # waiting for kubelet to let go of an old socket of ours
+    REGISTERING = "registering"  # a socket being put in place, or Register in flight
+    VERIFYING = "verifying"  # Register returned OK; waiting for kubelet's ListAndWatch
+    REGISTERED = "registered"  # kubelet streams our devices (and counts them, where we can see)
+    STOPPING = "stopping"  # SIGTERM: streams ended, waiting for kubelet to let go
+    STOPPED = "stopped"
+
+
+class Why(enum.Enum):
+    """Why a registration was begun: the metrics' `reason` label, and the journal's words."""
+
+    FIRST = "first-registration"
+    KUBELET_RESTARTED = "kubelet-restarted"
+    NEW_KUBELET_SOCKET = "kubelet-socket-recreated"
+    SOCKET_DELETED = "socket-deleted"
+    STREAM_ENDED = "stream-ended"
+    CONFIG_CHANGED = "config-changed"
+    NOT_WATCHED = "not-watched"
+    NOT_COUNTED = "not-counted"
+    RETRY = "retry"  # the attempt before failed (its error is the tally's `last_error`)
+
+    @property
+    def text(self) -> str:
+        return _WHY_TEXT[self]
+
+
+_WHY_TEXT = {
+    Why.FIRST: "first registration",
+    Why.KUBELET_RESTARTED: "kubelet restarted",
+    Why.NEW_KUBELET_SOCKET: "new kubelet.sock",
+    Why.SOCKET_DELETED: "our socket was deleted",
+    Why.STREAM_ENDED: "kubelet ended our stream",
+    Why.CONFIG_CHANGED: "configuration changed",
+    Why.NOT_WATCHED: "kubelet never opened ListAndWatch",
+    Why.NOT_COUNTED: "kubelet does not count our devices",
+    Why.RETRY: "retry",
+}
+
+
+class Outcome(enum.Enum):
+    """How a Register call ended."""
+
+    OK = "ok"
+    REFUSED = "refused"  # nobody accepts connections on kubelet.sock
+    FAILED = "failed"  # kubelet answered with an error, or did not answer
+
+
+class Listing(enum.Enum):
+    """How a pod-resources `GetAllocatableResources` call ended."""
+
+    LISTED = "listed"  # answered: `count` of our devices are allocatable
+    ABSENT = "absent"  # kubelet serves no pod-resources API (or not that call)
+    REFUSED = "refused"  # nobody accepts connections: kubelet is not serving
+    FAILED = "failed"  # any other error
+
+
+class Timer(enum.Enum):
+    """The machine's named timers (`Registration.get_timer()` is the earliest)."""
+
+    RETRY = "retry"  # register again, or send the refused Register again
+    STANDBY = "standby"  # bind the next standby socket
+    SERVE = "serve"  # binding failed: try serving again
+    HANDOVER = "handover"  # the next step of waiting for kubelet to let go
+    VERIFY = "verify"  # kubelet's ListAndWatch should have opened by now
+    CHECK = "check"  # ask pod-resources whether kubelet counts our devices
+    WARN = "warn"  # still not registered: say so
+
+
+# --- events: what happened --------------------------------------------------------------
+
+
+class Serve(NamedTuple):
+    """The device is advertised and the plugin directory exists. `kubelet_at`: when the
+    kubelet.sock there now appeared, if one is there."""
+
+    kubelet_up: bool
+    kubelet_at: Optional[float] = None
+
+
+class Unserve(NamedTuple):
+    """The plugin directory is gone: nothing can be served until it is back."""
+
+    why: str
+
+
+class Publish(NamedTuple):
+    """A new device table went to our sockets: `healthy_units` of them are Healthy."""
+
+    healthy_units: int
+
+
+class Reconfigure(NamedTuple):
+    """The resource's configuration changed on reload: serve it anew, handing over."""
+
+    units: int
+    healthy_units: int
+
+
+class Stop(NamedTuple):
+    """SIGTERM: end our streams and wait until kubelet has let go of them (bounded)."""
+
+
+class CloseAll(NamedTuple):
+    """Stop every socket now (exit, or the resource is no longer configured)."""
+
+
+class KubeletCreated(NamedTuple):
+    """A new kubelet.sock, created at `at`. `ours_present`: a socket of ours kubelet may
+    hold is still in the directory (a starting kubelet deletes them all first)."""
+
+    at: float
+    ours_present: bool
+
+
+class KubeletGone(NamedTuple):
+    """kubelet.sock was deleted."""
+
+
+class SocketDeleted(NamedTuple):
+    """A socket file of ours was deleted (kubelet's wipe, or someone else)."""
+
+    sid: int
+
+
+class Nudge(NamedTuple):
+    """News from kubelet's directory: a retry that waits may go now."""
+
+
+class Bound(NamedTuple):
+    """The outcome of `Bind`: None, or the error."""
+
+    sid: int
+    error: Optional[str] = None
+
+
+class Placed(NamedTuple):
+    """The outcome of `Place`: None, or the error."""
+
+    sid: int
+    error: Optional[str] = None
+
+
+class StreamOpened(NamedTuple):
+    """kubelet opened its ListAndWatch stream on `sid`."""
+
+    sid: int
+
+
+class ListSent(NamedTuple):
+    """kubelet has `sid`'s first device list (gRPC asked for the next message)."""
+
+    sid: int
+
+
+class StreamEnded(NamedTuple):
+    """kubelet ended its ListAndWatch stream on `sid` (not we)."""
+
+    sid: int
+
+
+class StreamRefused(NamedTuple):
+    """A ListAndWatch stream beyond the resource's budget was refused."""
+
+    sid: int
+    limit: int
+    where: str
+
+
+class RegisterDone(NamedTuple):
+    """The outcome of `SendRegister` `cid`; `error`: kubelet's words, when not OK."""
+
+    cid: int
+    outcome: Outcome
+    error: str = ""
+
+
+class Listed(NamedTuple):
+    """The outcome of `AskPodResources` `cid`: how many of our devices kubelet lists."""
+
+    cid: int
+    listing: Listing
+    count: int = 0
+
+
+class ConnectionsCounted(NamedTuple):
+    """The outcome of `CountConnections`: kubelet's connections still open to those
+    sockets, None when our descriptors cannot show them."""
+
+    held: Optional[int]
+
+
+# --- actions: what to do ------------------------------------------------------------------
+
+
+class Bind(NamedTuple):
+    """Serve a new socket: in the standby directory, or in kubelet's directory."""
+
+    sid: int
+    standby: bool
+
+
+class Place(NamedTuple):
+    """Rename the standby socket into kubelet's directory."""
+
+    sid: int
+
+
+class SendRegister(NamedTuple):
+    """Register the socket `sid` with kubelet; the outcome comes back as `RegisterDone`."""
+
+    cid: int
+    sid: int
+
+
+class AskPodResources(NamedTuple):
+    """Ask pod-resources how many of our devices kubelet lists: `Listed`."""
+
+    cid: int
+
+
+class CountConnections(NamedTuple):
+    """Count kubelet's open connections to these sockets: `ConnectionsCounted`."""
+
+    sids: Tuple[int, ...]
+
+
+class CancelCall(NamedTuple):
+    """Cancel a call; its outcome, if it still comes, is ignored."""
+
+    cid: int
+
+
+class EndStreams(NamedTuple):
+    """End the ListAndWatch streams on `sid`."""
+
+    sid: int
+
+
+class ResendList(NamedTuple):
+    """Send the device list again on `sid`'s streams."""
+
+    sid: int
+
+
+class CloseSocket(NamedTuple):
+    """Stop serving `sid` and remove its socket file."""
+
+    sid: int
+
+
+class Say(NamedTuple):
+    """A journal line; `once`: a key said at most once per daemon."""
+
+    level: int
+    kind: str
+    text: str
+    once: Optional[str] = None

@@ -1,0 +1,140 @@
+"""What one resource's registration has to tell: the tally it keeps, and the typed
+report that `STATUS=`, the metrics and the journal read. No I/O, bounded in size:
+Registers are counted by `Why` (an enum), and the last error's text is kept once.
+"""
+
+import logging
+import time
+from typing import Dict, NamedTuple, Optional, Tuple
+
+from atedevd.registration.messages import Say, State, Why
+
+WARN_AFTER_S = 20.0  # failing this long after a first registration (past any kubelet restart): a WARNING ...
+WARN_EVERY_S = 60.0  # ... and again at most this often
+REFUSED_SAY_EVERY_S = 60.0  # refused streams: one line a minute at most
+WAITING_SAY_EVERY_S = 60.0  # before a first registration, a new reason to wait is INFO this often at most
+
+
+class Tally:
+    """Counts and times of one resource's registrations, kept by the machine."""
+
+    def __init__(self, name: str, out: list) -> None:
+        self.name = name
+        self._out = out
+        self.registrations = 0  # accepted and verified
+        self.begun: Dict[Why, int] = {}  # registrations begun, by why
+        self.registered_at: Optional[float] = None
+        self.lost_at: Optional[float] = None  # the registration was lost then; not yet back
+        self.last_error: Optional[str] = None
+        self.failing_since: Optional[float] = None
+        self.serve_error: Optional[str] = None
+        self.last_reregistration: Optional[Tuple[float, float]] = None  # (at, seconds taken)
+        self.refused_streams = 0
+        self._refused_said_at: Optional[float] = None
+        self._waiting_said_at: Optional[float] = None
+        self.deadline: Optional[float] = None  # the next "still not registered" warning
+
+    def begin(self, why: Why) -> None:
+        self.begun[why] = self.begun.get(why, 0) + 1
+
+    def lost(self, now: float) -> None:
+        self.lost_at = now
+
+    def failing(self, now: float, reason: str) -> bool:
+        """Not registered, for `reason`. True when that is worth an INFO line: a new reason,
+        before any registration (after one, the gaps of a restarting kubelet are expected),
+        once a minute at most (kubelet's errors can name something new every time)."""
+        worth = reason != self.last_error and self.registrations == 0 and (
+            self._waiting_said_at is None or now - self._waiting_said_at >= WAITING_SAY_EVERY_S)
+        if worth:
+            self._waiting_said_at = now
+        self.last_error = reason
+        if self.failing_since is None:
+            self.failing_since = now
+            if self.registrations > 0:
+                self.deadline = now + WARN_AFTER_S
+        return worth
+
+    def verified(self, now: float) -> Optional[float]:
+        """kubelet streams our devices: how long since the registration was lost, if it was."""
+        self.registrations += 1
+        self.registered_at = now
+        self.last_error = self.failing_since = self.deadline = None
+        if self.lost_at is None:
+            return None
+        took = now - self.lost_at
+        self.last_reregistration = (now, took)
+        self.lost_at = None
+        return took
+
+    def stream_refused(self, now: float, where: str, limit: int) -> None:
+        self.refused_streams += 1
+        if self._refused_said_at is None or now - self._refused_said_at >= REFUSED_SAY_EVERY_S:
+            self._refused_said_at = now
+            self._out.append(Say(logging.ERROR, "stream-refused", f"{self.name}: refused a ListAndWatch stream on {where}: {limit} already open for this resource ({self.refused_streams} refused so far)"))
+
+    def on_timer(self, now: float, registered: bool) -> None:
+        """Still not registered, long after having been: a WARNING, again every minute."""
+        self.deadline = None
+        if registered or self.registrations == 0 or self.failing_since is None:
+            return
+        self._out.append(Say(logging.WARNING, "still-unregistered", f"{self.name}: not registered with kubelet for {now - self.failing_since:.0f} s: {self.last_error}"))
+        self.deadline = now + WARN_EVERY_S
+
+
+class Report(NamedTuple):
+    """One resource as `STATUS=` and the metrics show it, at one moment."""
+
+    name: str
+    device_path: str
+    state: State
+    changed_at: float  # monotonic
+    advertised: bool  # its device was seen at some point: served (Unhealthy while missing)
+    units: int  # advertised to kubelet (0 while nothing is served)
+    healthy_units: int
+    kubelet_count: Optional[int]  # what pod-resources last listed; None: not asked, or not served
+    registrations: int
+    begun: Dict[Why, int]  # registrations begun, by why (a copy)
+    registers_sent: int
+    allocate_calls: int
+    allocate_failures: int
+    refused_streams: int
+    last_error: Optional[str]
+    failing_since: Optional[float]
+    serve_error: Optional[str]
+    last_reregistration: Optional[Tuple[float, float]]
+
+    @property
+    def registered(self) -> bool:
+        return self.state is State.REGISTERED
+
+    @property
+    def served(self) -> bool:
+        return self.state not in (State.UNSERVED, State.STOPPED)
+
+
+def describe(r: Report, now: float, wall_now: float) -> str:
+    """This resource's registration in words, for STATUS= (`wall_now`: the wall clock at `now`)."""
+
+    def clock(at: float) -> str:
+        return time.strftime("%H:%M:%S", time.localtime(wall_now - (now - at)))
+
+    s = r.state
+    if s is State.REGISTERED:
+        text = f"registered, {r.healthy_units}/{r.units} healthy"
+        if r.kubelet_count is not None:
+            text += f", kubelet counts {r.kubelet_count}"
+        if r.last_reregistration:
+            at, took = r.last_reregistration
+            text += f", re-registered {clock(at)} in {took * 1000:.0f} ms"
+    elif s in (State.REGISTERING, State.VERIFYING, State.LETTING_GO):
+        text = "registering with kubelet"
+    elif s is State.UNSERVED:
+        text = "not served" + (f": {r.serve_error.rsplit(': ', 1)[-1]}" if r.serve_error else "")
+    else:
+        text = "waiting for kubelet"
+        if r.last_error and r.failing_since is not None and r.registrations > 0:
+            text += f" since {clock(r.failing_since)}: {r.last_error}"
+    if r.refused_streams:
+        text += f", {r.refused_streams} stream(s) refused"
+    return text

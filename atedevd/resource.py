@@ -1,0 +1,158 @@
+"""One configured resource, owned whole by one object.
+
+A `Resource` holds everything about one `[[device]]`: its node on the host and
+that node's health (`devices.NodeWatch`, the immutable `Snapshot` its sockets
+serve), its registration with kubelet (`registration.Registration`, the
+decisions) and the sockets and calls that carry it out (`performer.Performer`),
+its stream budget and Allocate counts; and it hands STATUS= and the metrics one
+typed `Report`. `atedevd/node.py` tells it what happened.
+"""
+
+import os
+import threading
+from typing import Optional
+
+from atedevd import devices, sockets
+from atedevd.config import Device
+from atedevd.performer import Performer
+from atedevd.plugin import STREAMS_PER_RESOURCE, AllocateCounts
+from atedevd.registration import messages as m
+from atedevd.registration.machine import Registration
+from atedevd.registration.messages import State, Timer
+from atedevd.registration.report import Report
+
+
+class Resource:
+    def __init__(self, device: Device, dev_root: str, host, run_id: str, serve_failed) -> None:
+        self.device = device
+        self.host = host
+        self.watch = devices.NodeWatch()  # the node first served
+        self.present: Optional[bool] = None
+        self.advertised = False  # once served, kept served (Unhealthy while the node is missing)
+        self.stream_limit = STREAMS_PER_RESOURCE
+        self.stream_slots = threading.BoundedSemaphore(STREAMS_PER_RESOURCE)  # shared by its sockets
+        self.allocations = AllocateCounts()  # over all its sockets
+        self._version = 0
+        self.look_at_device(dev_root, publish=False)
+        self.snapshot = self._new_snapshot()
+        longest = os.path.join(host.plugin_dir, sockets.STANDBY_DIR, sockets.socket_name(device.resource, run_id, 10**6))
+        self.machine = Registration(device.resource, device.count, self._healthy_units(),
+                                    standby_possible=len(os.fsencode(longest)) <= sockets.MAX_SOCKET_PATH,
+                                    device_path=device.path,
+                                    connections_visible=host.held_connections(()) is not None)
+        self.performer = Performer(self, self.machine, host, run_id, serve_failed)
+
+    @property
+    def name(self) -> str:
+        return self.device.resource
+
+    @property
+    def state(self) -> State:
+        return self.machine.state
+
+    @property
+    def deadline(self) -> Optional[float]:
+        return self.machine.get_timer()
+
+    @property
+    def stopped(self) -> bool:
+        return self.machine.stopped
+
+    # --- the device node ---------------------------------------------------------------------
+
+    def look_at_device(self, dev_root: str, publish: bool = True) -> None:
+        """Has the node come, gone or changed since the last look? Said, and published."""
+        change = self.watch.look(self.device, dev_root, self.advertised)
+        if change is None:
+            return
+        self.host.say(change.level, change.event, f"{self.name}: {change.message}", resource=self.name, device=self.device.path)
+        if change.present == self.present:
+            return
+        self.present = change.present
+        if change.present:
+            self.advertised = True
+        if publish:
+            self.snapshot = self._new_snapshot()
+            self.performer.publish(self.snapshot, self.device)
+            self._do(self.host.monotonic(), m.Publish(self._healthy_units()))
+
+    def accept_nodes(self) -> None:
+        """A reload: the node at the path now is accepted as the device's (the
+        configuration check has judged it)."""
+        self.watch.forget()
+
+    def reconfigure(self, device: Device, dev_root: str, now: float) -> None:
+        """The `[[device]]` (or the dev root) changed on reload: serve it anew, handing over;
+        old sockets keep the old table until they are closed."""
+        self.device, self.present = device, None
+        self.watch = devices.NodeWatch()  # whatever node is there now is judged afresh
+        self.look_at_device(dev_root, publish=False)
+        self.snapshot = self._new_snapshot()
+        self._do(now, m.Reconfigure(device.count, self._healthy_units()))
+
+    def _new_snapshot(self) -> devices.Snapshot:
+        self._version += 1
+        return devices.Snapshot(self.device, bool(self.present), self._version)
+
+    def _healthy_units(self) -> int:
+        return self.device.count if self.present else 0
+
+    # --- what happened: told by the node ------------------------------------------------------
+
+    def serve(self, now: float, kubelet) -> None:
+        self._do(now, m.Serve(kubelet.serving, self._on_our_clock(now, kubelet.since) if kubelet.serving else None))
+
+    def unserve(self, now: float, why: str) -> None:
+        self._do(now, m.Unserve(why))
+
+    def kubelet_started(self, now: float, kubelet) -> None:
+        ours = any(self.performer.is_ours(sid) for sid in self.machine.book.held())
+        self._do(now, m.KubeletCreated(self._on_our_clock(now, kubelet.since), ours))
+
+    def kubelet_gone(self, now: float) -> None:
+        self._do(now, m.KubeletGone())
+
+    def check_sockets(self, now: float) -> None:
+        """Is every socket of ours still ours (after a directory event, or any wake-up)?"""
+        for sid in self.performer.newly_gone():
+            self.machine.handle(now, m.SocketDeleted(sid))
+        self.performer.run()
+
+    def nudge(self, now: float) -> None:
+        self._do(now, m.Nudge())
+
+    def begin_stop(self, now: float) -> None:
+        self._do(now, m.Stop())
+
+    def close(self, now: float) -> None:
+        self._do(now, m.CloseAll())
+
+    def on_timer(self, now: float) -> None:
+        self.machine.handle_timer(now)
+        self.performer.run()
+
+    def retry_due(self, now: float) -> bool:
+        return self.machine.timer_due(Timer.RETRY, now)
+
+    def _do(self, now: float, event) -> None:
+        self.machine.handle(now, event)
+        self.performer.run()
+
+    def _on_our_clock(self, now: float, wall: float) -> float:
+        """A wall-clock time (kubelet.sock's ctime) on the monotonic clock."""
+        return now - max(0.0, self.host.wall() - wall)
+
+    # --- what it tells ----------------------------------------------------------------------
+
+    def report(self) -> Report:
+        mc, t = self.machine, self.machine.tally
+        served = mc.state not in (State.UNSERVED, State.STOPPED)
+        units = mc.units if served else 0
+        return Report(
+            name=self.name, device_path=self.device.path, state=mc.state, changed_at=mc.changed_at,
+            advertised=self.advertised, units=units, healthy_units=min(mc.healthy_units, units),
+            kubelet_count=mc.check.kubelet_count, registrations=t.registrations, begun=dict(t.begun),
+            registers_sent=self.performer.registers_sent, allocate_calls=self.allocations.calls,
+            allocate_failures=self.allocations.failures, refused_streams=t.refused_streams,
+            last_error=t.last_error, failing_since=t.failing_since, serve_error=t.serve_error,
+            last_reregistration=t.last_reregistration)
