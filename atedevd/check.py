@@ -25,7 +25,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
-from atedevd import config, metrics
+from atedevd import config, metrics, sockets
 from atedevd.config import Config, ConfigError, Device
 
 EX_READY = 0
@@ -257,19 +257,14 @@ def socket_state(path: str, timeout: float = SOCKET_TIMEOUT_S) -> Tuple[bool, st
         return False, f"cannot stat: {e.strerror or e}"
     if not stat.S_ISSOCK(st.st_mode):
         return False, f"not a socket ({config.file_type(st.st_mode)})"
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
-    try:
-        s.connect(path)
+    error = sockets.connect_error(path, timeout)
+    if error is None:
         return True, "accepting connections"
-    except ConnectionRefusedError:
+    if isinstance(error, ConnectionRefusedError):
         return False, "stale: refusing connections (kubelet not running)"
-    except socket.timeout:
+    if isinstance(error, socket.timeout):
         return False, f"not answering (no connection within {timeout:g} s)"
-    except OSError as e:
-        return False, f"cannot connect: {e.strerror or e}"
-    finally:
-        s.close()
+    return False, f"cannot connect: {error.strerror or error}"
 
 
 # --- the device policy: nodes that give a pod the host -------------------------------
@@ -475,28 +470,10 @@ def drop_in(plugin_dir: str) -> str:
             f"ReadWritePaths=-{metrics.DEFAULT_DIR}\n")
 
 
-def kubelet_counts(socket_path: str, timeout: float = 2.0) -> Dict[str, int]:
-    """{resource: device IDs kubelet holds allocatable}, from its pod-resources API.
-    Raises OSError when there is no answer."""
-    import grpc  # only here: the rest of `check` needs no gRPC
-
-    from atedevd.api import PodResourcesStub, prpb
-    from atedevd.kubelet import allocatable_ids
-
-    channel = grpc.insecure_channel("unix:" + socket_path, options=[("grpc.default_authority", "localhost")])
-    try:
-        resp = PodResourcesStub(channel).GetAllocatableResources(prpb.AllocatableResourcesRequest(), timeout=timeout)
-    except grpc.RpcError as e:
-        raise OSError(f"{e.code().name}: {e.details()}") from None
-    finally:
-        channel.close()
-    return {name: len(found) for name, found in allocatable_ids(resp).items()}
-
-
 def _kubelet_view(cfg: Config, report: Report) -> None:
     """What kubelet itself counts, next to what we advertise: the one place a
     registration that kubelet silently stopped honouring shows."""
-    from atedevd.kubelet import pod_resources_socket  # imports grpc: only when `check` gets here
+    from atedevd.kubelet import allocatable_counts, pod_resources_socket  # imports grpc: only when `check` gets here
 
     path = pod_resources_socket(cfg.device_plugin_dir)
     report.kubelet_view = {"socket": path, "counts": None, "note": None}
@@ -504,7 +481,7 @@ def _kubelet_view(cfg: Config, report: Report) -> None:
         report.kubelet_view["note"] = f"no pod-resources API at {path}"
         return
     try:
-        counts = kubelet_counts(path)
+        counts = allocatable_counts(path, timeout=2.0)
     except OSError as e:
         report.kubelet_view["note"] = f"{path} did not answer ({e})"
         return

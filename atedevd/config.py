@@ -522,15 +522,7 @@ def _check_policy(cfg: Config, lines: Optional[_Lines], report: _Report) -> None
                 where, line = "the built-in device", None
             else:
                 where, line = f"[[device]] #{i + 1} path", lines.of("device", i, "path") if lines else None
-            report.add(f"{where}: {_q(dev.path)} ({dev.resource}): {refusal_text(found)}", line)
-
-
-def refusal_text(found) -> str:
-    """Why a device is refused and what would let it through (shared with the daemon and `check`)."""
-    if not found.rule.opt_in:
-        return f"refused: {found}"
-    return (f"refused: {found}. If pods on this node are meant to have that, "
-            f"set allow_host_access = true in this [[device]] table")
+            report.add(f"{where}: {_q(dev.path)} ({dev.resource}): {policy.refusal_text(found)}", line)
 
 
 def _apply_overrides(cfg: Config, overrides: Mapping[str, Optional[str]], report: _Report) -> Config:

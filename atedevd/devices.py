@@ -20,7 +20,7 @@ from typing import FrozenSet, NamedTuple, Optional, Tuple
 
 from atedevd import policy
 from atedevd.api import pb
-from atedevd.config import Device, file_type, refusal_text
+from atedevd.config import Device, file_type
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -49,7 +49,7 @@ def presence(device: Device, dev_root: str, sys_root: str = policy.SYS_ROOT) -> 
         return Presence(f"unreadable ({e.strerror})")
     found = policy.judge(node)  # a block device is refused whatever the configuration says
     if policy.refused(found, device.allow_host_access):
-        return Presence(refusal_text(found), node, found)
+        return Presence(policy.refusal_text(found), node, found)
     return Presence(PRESENT, node, found)
 
 

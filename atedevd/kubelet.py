@@ -5,7 +5,7 @@ through a callback (posted to the loop), so a kubelet that hangs never blocks it
 """
 
 import os
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import grpc
 
@@ -135,6 +135,19 @@ class AllocatableCall(_Call):
         if future.cancelled() or future.exception() is not None:
             return super()._done(future)
         self._on_done(self, allocatable_ids(future.result()), None)
+
+
+def allocatable_counts(socket_path: str, timeout: float) -> Dict[str, int]:
+    """{resource: device IDs kubelet holds allocatable}, asked and waited for (`atedevd
+    check`; the daemon asks with `AllocatableCall`). Raises OSError when there is no answer."""
+    channel = grpc.insecure_channel("unix:" + socket_path, options=_CHANNEL_OPTIONS)
+    try:
+        resp = PodResourcesStub(channel).GetAllocatableResources(prpb.AllocatableResourcesRequest(), timeout=timeout)
+    except grpc.RpcError as e:
+        raise OSError(f"{e.code().name}: {e.details()}") from None
+    finally:
+        channel.close()
+    return {name: len(ids) for name, ids in allocatable_ids(resp).items()}
 
 
 def not_listening(code: Optional[grpc.StatusCode]) -> bool:

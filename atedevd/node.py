@@ -118,7 +118,8 @@ class Node:
         if not self.stopping and any(r.retry_due(now) for r in self.resources.values()):
             self.look_at_kubelet(now, created=False, lost=True)  # in case an event was lost
         for r in list(self.resources.values()):
-            if r.deadline is not None and r.deadline <= now:
+            at = r.deadline
+            if at is not None and at <= now:
                 r.on_timer(now)
         return self.reconcile(now)
 

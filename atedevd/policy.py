@@ -156,6 +156,15 @@ class Refusal(NamedTuple):
         return f"{self.node.describe()} is {self.rule.what}: a pod holding it {self.rule.reason}"
 
 
+def refusal_text(found: Refusal) -> str:
+    """Why a device is refused and what would let it through (the configuration check,
+    the daemon and `check` all say it so)."""
+    if not found.rule.opt_in:
+        return f"refused: {found}"
+    return (f"refused: {found}. If pods on this node are meant to have that, "
+            f"set allow_host_access = true in this [[device]] table")
+
+
 def look(path: str, sys_root: str = SYS_ROOT) -> Optional[Node]:
     """The device node at `path`, symlinks followed; None when it is not a device node.
 

@@ -14,7 +14,6 @@ place when it is needed: a rename costs microseconds, building a gRPC server
 about 12 ms, and kubelet admits pods ~13 ms after it serves again.
 """
 
-import errno
 import os
 import re
 import select
@@ -161,26 +160,30 @@ def _is_dead_socket(path: str) -> bool:
             return False
     except OSError:
         return False
-    return _connect_error(path) == errno.ECONNREFUSED
+    return isinstance(connect_error(path), ConnectionRefusedError)
 
 
 def listening(path: str) -> bool:
     """Whether anyone accepts connections on the unix socket at `path` now (a connect
     that is refused costs microseconds; a gRPC call that fails, about a millisecond)."""
-    return _connect_error(path) is None
+    return connect_error(path) is None
 
 
-def _connect_error(path: str) -> Optional[int]:
-    """A non-blocking connect to `path`: None when someone listens (a full backlog
-    counts), else the errno."""
+def connect_error(path: str, timeout: Optional[float] = None) -> Optional[OSError]:
+    """Why a connect to the unix socket at `path` fails, or None when someone listens.
+    Without `timeout` it does not block, and a full backlog counts as listening; with
+    one, the connection must be accepted within it (else socket.timeout)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.setblocking(False)
+    if timeout is None:
+        s.setblocking(False)
+    else:
+        s.settimeout(timeout)
     try:
         s.connect(path)
-    except (BlockingIOError, InterruptedError):
-        return None
+    except (BlockingIOError, InterruptedError) as e:
+        return None if timeout is None else e
     except OSError as e:
-        return e.errno
+        return e
     finally:
         s.close()
     return None

@@ -8,6 +8,7 @@ journald's native protocol itself (the self-contained packages: systemd-python
 has no wheels; see docs/packaging.md).
 """
 
+import errno
 import logging
 import os
 import re
@@ -132,7 +133,7 @@ class NativeJournalHandler(logging.Handler):
                 self._sock.sendto(payload, self.path)
                 return
             except OSError as e:
-                if e.errno not in (90, 105):  # EMSGSIZE, ENOBUFS: too large for a datagram
+                if e.errno not in (errno.EMSGSIZE, errno.ENOBUFS):  # too large for a datagram
                     raise
             fd = os.memfd_create("atedevd-journal", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             try:

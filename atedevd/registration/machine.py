@@ -148,8 +148,10 @@ class Registration:
         return actions
 
     def get_timer(self) -> Optional[float]:
+        """When `handle_timer` is due next: the earliest of the machine's timers and its parts'."""
         times = [t for t in (self.handover.deadline, self.check.deadline, self.tally.deadline) if t is not None]
-        times.extend(self._timers.values())
+        if self._timers:
+            times.append(min(self._timers.values()))
         return min(times) if times else None
 
     def timer_due(self, timer: Timer, now: float) -> bool:

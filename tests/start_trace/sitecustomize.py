@@ -7,6 +7,7 @@ cost of the daemon stay its own."""
 
 import importlib.abc
 import importlib.machinery
+import inspect
 import os
 import sys
 import time
@@ -31,16 +32,16 @@ STEPS = {
     "atedevd.sockets": [("remove_leftovers", "remove_leftovers")],
     "atedevd.watch": [("Watcher.__init__", "Watcher()"), ("Watcher.want", "Watcher.want")],
     "atedevd.plugin": [("Workers.__init__", "Workers()"), ("PluginServer.start", "PluginServer.start")],
-    "atedevd.registrar": [("Registrar.serve", "Registrar.serve"), ("Registrar._do_bind", "bind"),
-                          ("Registrar._do_ask", "ask pod-resources"), ("Registrar._ask_done", "pod-resources answered"),
-                          ("Registrar._do_register", "register (Register sent)")],
+    "atedevd.resource": [("Resource.serve", "Resource.serve")],
+    "atedevd.host": [("Host.server", "bind"), ("Host.ask_allocatable", "ask pod-resources"),
+                     ("Host._ask_done", "pod-resources answered"), ("Host.register", "register (Register sent)")],
     "atedevd.devices": [("Snapshot._made", "Snapshot: device list made"), ("NodeWatch.look", "NodeWatch.look")],
     "atedevd.metrics": [("TextfileWriter.__init__", "TextfileWriter()"), ("DaemonInfo.current", "DaemonInfo.current")],
     "atedevd.kubelet": [("KubeletView.refresh", "KubeletView.refresh")],
     "atedevd.systemd": [("setup_logging", "setup_logging"), ("Notifier.ready", "Notifier.ready"), ("event", "event")],
 }
 IMPORTS = {"grpc", "google.protobuf", "atedevd.cli", "atedevd.daemon", "atedevd.config", "atedevd.api",
-           "atedevd.registration", "atedevd.registrar", "atedevd.plugin", "atedevd.kubelet", "atedevd.watch", "atedevd.systemd",
+           "atedevd.registration", "atedevd.node", "atedevd.resource", "atedevd.performer", "atedevd.host", "atedevd.plugin", "atedevd.kubelet", "atedevd.watch", "atedevd.systemd",
            "systemd.journal", "inotify.constants", "sdnotify", "tomllib",
            "atedevd.policy", "atedevd.sockets", "atedevd.devices", "atedevd.metrics", "atedevd.instance",
            "dataclasses", "datetime", "tempfile", "ctypes", "argparse", "concurrent.futures"}
@@ -63,7 +64,10 @@ def _patch(module) -> None:
         *parents, attr = path.split(".")
         for p in parents:
             owner = getattr(owner, p)
-        setattr(owner, attr, _wrap(getattr(owner, attr), label))
+        traced = _wrap(getattr(owner, attr), label)
+        if isinstance(inspect.getattr_static(owner, attr), staticmethod):
+            traced = staticmethod(traced)
+        setattr(owner, attr, traced)
 
 
 class _Loader(importlib.abc.Loader):
