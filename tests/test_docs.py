@@ -101,3 +101,20 @@ def test_every_metric_is_documented():
     for state in State:
         assert f"`{state.value}`" in doc, state
     assert "docs/metrics.md" in read("README.md")
+
+
+def test_the_design_documents_every_move_of_the_registration_and_no_other():
+    """docs/design.md's table of transitions is registration/machine.py's TRANSITIONS."""
+    import re
+
+    from atedevd.registration.machine import TRANSITIONS
+
+    doc = read("docs/design.md")
+    table = doc[doc.index("| from | to | on |"):]
+    table = table[:table.index("\n\n")]
+    documented = set()
+    for row in table.splitlines()[2:]:
+        sources, target = row.split("|")[1:3]
+        for source in re.findall(r"`([a-z-]+)`", sources):
+            documented.add((source, re.findall(r"`([a-z-]+)`", target)[0]))
+    assert documented == {(a.value, b.value) for a, b, _ in TRANSITIONS}
