@@ -104,10 +104,10 @@ def test_every_metric_is_documented():
 
 
 def test_the_design_documents_every_move_of_the_registration_and_no_other():
-    """docs/design.md's table of transitions is registration/machine.py's TRANSITIONS."""
+    """docs/design.md's table of transitions is registration/moves.py's TRANSITIONS."""
     import re
 
-    from atedevd.registration.machine import TRANSITIONS
+    from atedevd.registration.moves import TRANSITIONS
 
     doc = read("docs/design.md")
     table = doc[doc.index("| from | to | on |"):]

@@ -137,7 +137,7 @@ def test_a_bind_that_fails_for_a_socket_closed_meanwhile_is_moot():
 def test_a_move_not_in_the_table_is_refused():
     reg = Registration(RESOURCE, 4)
     with pytest.raises(InvalidTransition, match="unserved -> registered"):
-        reg._set(State.REGISTERED, 0.0)
+        reg.moves.move(State.REGISTERED, 0.0)
     assert reg.state is State.UNSERVED
 
 

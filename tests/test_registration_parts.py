@@ -1,6 +1,7 @@
 """The parts the registration machine is composed of, each on its own, event by event:
 the SocketBook, the Handover, the CountCheck and the Tally (atedevd/registration/)."""
 
+import itertools
 import logging
 
 from atedevd.registration import count_check, handover, report
@@ -8,6 +9,7 @@ from atedevd.registration import messages as m
 from atedevd.registration.count_check import Agreement, CountCheck
 from atedevd.registration.handover import Handover, Phase, Purpose, Verdict
 from atedevd.registration.messages import Listing, State, Why
+from atedevd.registration.questions import Question, Questions
 from atedevd.registration.report import Report, Tally, describe
 from atedevd.registration.socket_book import Role, SocketBook
 
@@ -215,8 +217,9 @@ def test_stopping_with_a_register_in_flight_waits_for_it_until_the_limit():
 def test_an_earlier_instance_is_waited_on_in_pod_resources():
     out = []
     h = Handover(NAME, SocketBook(out), out)
-    h.begin_earlier_instance(0.0)
+    h.begin_earlier_instance(0.0, 4)
     assert h.phase is Phase.UNLISTED and h.deadline == handover.POLL_S
+    assert of(out, m.Say)[0].kind == "earlier-instance" and "lists 4 devices" in of(out, m.Say)[0].text
     assert h.on_timer(handover.POLL_S, True, True) is Verdict.ASK
     assert h.on_listing(0.01, Listing.LISTED, 0, True, True) is Verdict.LET_GO
 
@@ -267,13 +270,30 @@ def test_a_new_device_list_clears_a_doubt():
     assert c.on_answer(0.5, Listing.LISTED, 0, 4) is False  # a first difference again, not the second
 
 
+# --- Questions ----------------------------------------------------------------------------------------
+
+
+def test_one_question_in_flight_and_its_answer_goes_to_whoever_asked():
+    out = []
+    q = Questions(out, itertools.count(1))
+    q.ask(Question.START)
+    q.ask(Question.CHECK)  # asked anew: the first is cancelled
+    assert out == [m.AskPodResources(1), m.CancelCall(1), m.AskPodResources(2)]
+    assert q.answered(m.Listed(1, Listing.LISTED, 4)) is Question.NONE  # the cancelled one's answer
+    q.cancel(unless=Question.CHECK)
+    assert q.asked is Question.CHECK and len(out) == 3
+    assert q.answered(m.Listed(2, Listing.LISTED, 4)) is Question.CHECK and q.asked is Question.NONE
+    assert q.answered(m.Listed(2, Listing.LISTED, 4)) is Question.NONE  # answered once
+
+
 def test_whether_pod_resources_is_served_is_said_once_each_way():
     out = []
-    c = CountCheck(NAME, out)
+    q = Questions(out, itertools.count(1))
     for listing in (Listing.LISTED, Listing.LISTED, Listing.FAILED, Listing.ABSENT, Listing.ABSENT):
-        c.seen(listing)
+        q.ask(Question.CHECK)
+        q.answered(m.Listed(q._cid, listing))
     said = of(out, m.Say)
-    assert [s.once for s in said] == ["pod-resources-served", "pod-resources-absent"] and c.served is False
+    assert [s.once for s in said] == ["pod-resources-served", "pod-resources-absent"] and q.served is False
     assert f"fixed {handover.FIXED_WAIT_S * 1000:.0f} ms" in said[1].text
 
 
@@ -288,23 +308,41 @@ def test_the_tally_counts_by_why_and_keeps_one_error():
         t.failing(float(n), f"error {n}")
     assert t.begun == {Why.RETRY: 100} and t.last_error == "error 99" and t.failing_since == 0.0
     assert t.deadline is None  # never registered: no "still unregistered" warning
-    assert t.verified(200.0) is None and t.registrations == 1 and t.last_error is None
-    t.lost(300.0)
+    t.verified(200.0, 4, "/dev/kvm")
+    assert t.registrations == 1 and t.last_error is None
+    assert of(out, m.Say)[-1] == m.Say(logging.INFO, "registered", f"{NAME}: registered with kubelet (4 units of /dev/kvm)")
+    t.lost(300.0, logging.INFO, "stream-ended", "kubelet ended our ListAndWatch stream; registering again")
     t.failing(300.0, "kubelet restarted")
     assert t.deadline == 300.0 + report.WARN_AFTER_S
     t.on_timer(t.deadline, registered=False)
     assert of(out, m.Say)[-1].kind == "still-unregistered" and t.deadline == 320.0 + report.WARN_EVERY_S
-    assert t.verified(321.0) == 21.0 and t.last_reregistration == (321.0, 21.0) and t.deadline is None
+    t.verified(321.0, 4, "/dev/kvm")
+    assert t.last_reregistration == (321.0, 21.0) and t.deadline is None
+    assert of(out, m.Say)[-1].text.endswith("registered again with kubelet (21000 ms after the loss)")
 
 
 def test_a_new_reason_to_wait_is_worth_an_info_line_once_a_minute_before_the_first_registration():
-    t = Tally(NAME, [])
-    assert t.failing(0.0, "kubelet.sock does not exist yet") is True
-    assert t.failing(1.0, "kubelet.sock does not exist yet") is False  # the same again
-    assert t.failing(2.0, "kubelet refused: INTERNAL: a") is False  # new, but within the minute
-    assert t.failing(61.0, "kubelet refused: INTERNAL: b") is True
-    t.verified(70.0)
-    assert t.failing(200.0, "kubelet restarted") is False  # after a registration: expected gaps
+    out = []
+    t = Tally(NAME, out)
+
+    def level(at, reason):
+        t.failing(at, reason)
+        return of(out, m.Say)[-1].level
+
+    assert level(0.0, "kubelet.sock does not exist yet") == logging.INFO
+    assert level(1.0, "kubelet.sock does not exist yet") == logging.DEBUG  # the same again
+    assert level(2.0, "kubelet refused: INTERNAL: a") == logging.DEBUG  # new, but within the minute
+    assert level(61.0, "kubelet refused: INTERNAL: b") == logging.INFO
+    t.verified(70.0, 4, "/dev/kvm")
+    assert level(200.0, "kubelet restarted") == logging.DEBUG  # after a registration: expected gaps
+
+
+def test_a_socket_that_cannot_be_served_is_said_once():
+    out = []
+    t = Tally(NAME, out)
+    for _ in range(3):
+        t.serve_failed("on /x: Read-only file system")
+    assert len(of(out, m.Say)) == 1 and t.serve_error == f"{NAME}: cannot serve on /x: Read-only file system"
 
 
 def test_refused_streams_are_said_once_a_minute():

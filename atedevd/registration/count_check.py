@@ -12,7 +12,6 @@ import enum
 import logging
 from typing import Optional
 
-from atedevd.registration import handover
 from atedevd.registration.messages import Listing, Say
 
 FIRST_S = 0.25  # kubelet has our first list (or a new one): ask this soon ...
@@ -36,7 +35,6 @@ class CountCheck:
         self._out = out
         self.agreement = Agreement.UNKNOWN
         self.deadline: Optional[float] = None  # the next question is due then
-        self.served: Optional[bool] = None  # kubelet serves pod-resources, as last seen (None: not asked yet)
         self.kubelet_count: Optional[int] = None  # what it listed last
         self._reregistered = 0  # re-registrations it drove, in a row
         self._reregistered_at: Optional[float] = None
@@ -58,22 +56,6 @@ class CountCheck:
     def registered(self) -> None:
         if self.agreement is Agreement.DOUBTED:
             self.agreement = Agreement.UNKNOWN
-
-    def seen(self, listing: Listing) -> None:
-        """Whether pod-resources is served, from any answer; said once each way."""
-        if listing is Listing.LISTED:
-            served = True
-        elif listing is Listing.ABSENT:
-            served = False
-        else:
-            return
-        if served == self.served:
-            return
-        self.served = served
-        if served:
-            self._out.append(Say(logging.INFO, "pod-resources", "kubelet's pod-resources API is served: it cross-checks that kubelet counts our devices, and shows when kubelet has let go of an old socket", "pod-resources-served"))
-        else:
-            self._out.append(Say(logging.INFO, "pod-resources", f"kubelet's pod-resources API is not served: nothing cross-checks that kubelet counts our devices, and kubelet is given a fixed {handover.FIXED_WAIT_S * 1000:.0f} ms to let go of an old socket", "pod-resources-absent"))
 
     def on_answer(self, now: float, listing: Listing, count: int, expected: int) -> bool:
         """The answer to the check's question; True when the registration is lost (register again)."""

@@ -101,8 +101,10 @@ class Handover:
             self._no_signal = not self.book.listed_seen
         return self._step(now, healthy, pod_resources)
 
-    def begin_earlier_instance(self, now: float) -> None:
-        """At start, kubelet still lists the resource: an earlier instance's teardown is pending."""
+    def begin_earlier_instance(self, now: float, listed: int) -> None:
+        """At start, kubelet still lists the resource: an earlier instance's teardown is pending
+        (no instance of ours is registered). Registering now could be undone by it."""
+        self._say(logging.INFO, "earlier-instance", f"{self.name}: kubelet still lists {listed} devices of an earlier instance; waiting for it to let go")
         self.purpose = Purpose.REGISTER
         self._begun, self._until = now, now + LIMIT_S
         self._fixed_until = None

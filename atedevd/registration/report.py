@@ -16,7 +16,8 @@ WAITING_SAY_EVERY_S = 60.0  # before a first registration, a new reason to wait 
 
 
 class Tally:
-    """Counts and times of one resource's registrations, kept by the machine."""
+    """Counts and times of one resource's registrations, kept by the machine, and the
+    journal lines that tell them."""
 
     def __init__(self, name: str, out: list) -> None:
         self.name = name
@@ -36,50 +37,68 @@ class Tally:
 
     def begin(self, why: Why) -> None:
         self.begun[why] = self.begun.get(why, 0) + 1
+        said = f"retry: {self.last_error}" if why is Why.RETRY and self.last_error else why.text
+        self._say(logging.DEBUG, "registering", f"registering ({said})")
 
-    def lost(self, now: float) -> None:
+    def lost(self, now: float, level: int = 0, kind: str = "", text: str = "") -> None:
+        """The registration is lost (said at `level`, when there is a `text`)."""
         self.lost_at = now
+        if text:
+            self._say(level, kind, text)
 
-    def failing(self, now: float, reason: str) -> bool:
-        """Not registered, for `reason`. True when that is worth an INFO line: a new reason,
-        before any registration (after one, the gaps of a restarting kubelet are expected),
-        once a minute at most (kubelet's errors can name something new every time)."""
+    def failing(self, now: float, reason: str) -> None:
+        """Not registered, for `reason`. A new reason is worth an INFO line before any
+        registration (after one, the gaps of a restarting kubelet are expected), once a
+        minute at most (kubelet's errors can name something new every time)."""
         worth = reason != self.last_error and self.registrations == 0 and (
             self._waiting_said_at is None or now - self._waiting_said_at >= WAITING_SAY_EVERY_S)
         if worth:
             self._waiting_said_at = now
+        self._say(logging.INFO if worth else logging.DEBUG, "waiting-for-kubelet", f"waiting for kubelet: {reason}")
         self.last_error = reason
         if self.failing_since is None:
             self.failing_since = now
             if self.registrations > 0:
                 self.deadline = now + WARN_AFTER_S
-        return worth
 
-    def verified(self, now: float) -> Optional[float]:
-        """kubelet streams our devices: how long since the registration was lost, if it was."""
+    def verified(self, now: float, units: int, device_path: str) -> None:
+        """kubelet streams our devices: said, with how long it took since the registration was lost."""
         self.registrations += 1
         self.registered_at = now
         self.last_error = self.failing_since = self.deadline = None
-        if self.lost_at is None:
-            return None
-        took = now - self.lost_at
-        self.last_reregistration = (now, took)
-        self.lost_at = None
-        return took
+        if self.lost_at is not None:
+            took = now - self.lost_at
+            self.last_reregistration = (now, took)
+            self.lost_at = None
+            self._say(logging.INFO, "reregistered", f"registered again with kubelet ({took * 1000:.0f} ms after the loss)")
+        elif self.registrations == 1:
+            self._say(logging.INFO, "registered", f"registered with kubelet ({units} units of {device_path})")
+        else:
+            self._say(logging.INFO, "reregistered", "registered again with kubelet")
+
+    def serve_failed(self, error: str) -> None:
+        """A socket cannot be served (retried on every wake-up: said once, until it can)."""
+        text = f"{self.name}: cannot serve {error}"
+        if self.serve_error is None:
+            self._out.append(Say(logging.ERROR, "serve-failed", text))
+        self.serve_error = text
 
     def stream_refused(self, now: float, where: str, limit: int) -> None:
         self.refused_streams += 1
         if self._refused_said_at is None or now - self._refused_said_at >= REFUSED_SAY_EVERY_S:
             self._refused_said_at = now
-            self._out.append(Say(logging.ERROR, "stream-refused", f"{self.name}: refused a ListAndWatch stream on {where}: {limit} already open for this resource ({self.refused_streams} refused so far)"))
+            self._say(logging.ERROR, "stream-refused", f"refused a ListAndWatch stream on {where}: {limit} already open for this resource ({self.refused_streams} refused so far)")
 
     def on_timer(self, now: float, registered: bool) -> None:
         """Still not registered, long after having been: a WARNING, again every minute."""
         self.deadline = None
         if registered or self.registrations == 0 or self.failing_since is None:
             return
-        self._out.append(Say(logging.WARNING, "still-unregistered", f"{self.name}: not registered with kubelet for {now - self.failing_since:.0f} s: {self.last_error}"))
+        self._say(logging.WARNING, "still-unregistered", f"not registered with kubelet for {now - self.failing_since:.0f} s: {self.last_error}")
         self.deadline = now + WARN_EVERY_S
+
+    def _say(self, level: int, kind: str, text: str) -> None:
+        self._out.append(Say(level, kind, f"{self.name}: {text}"))
 
 
 class Report(NamedTuple):

@@ -48,6 +48,16 @@ class SocketBook:
         # pod-resources listed our devices since the current socket was placed: only then
         # can kubelet's teardown of it show there.
         self.listed_seen = False
+        self.deadline: Optional[float] = None  # the next standby is to be bound then
+
+    def standby_at(self, at: float) -> None:
+        """Bind the next standby then (unless one is there by then)."""
+        self.deadline = at
+
+    def on_timer(self, serving: bool) -> None:
+        self.deadline = None
+        if serving and self.standby is None:
+            self.bind(standby=True)
 
     # --- what the machine asks --------------------------------------------------------
 

@@ -236,7 +236,8 @@ class Daemon:
         # devices, its teardown will not show in pod-resources: no later process can see it.
         machine, servers = self.resource.machine, self.resource.performer.servers
         book = machine.book
-        for sid in ([machine.call.sid] if machine.call is not None else []) + \
+        call = machine.attempts.call
+        for sid in ([call.sid] if call is not None else []) + \
                 ([book.current] if book.current is not None and not book.listed_seen else []):
             if sid in servers:
                 self.w.orphaned.add(servers[sid].name)
