@@ -78,8 +78,10 @@ class Node:
                 del self.resources[name]
                 self.host.say(INFO, "resource-removed", f"{name}: no longer configured; stopped serving it", resource=name)
             elif wanted[name] != r.device or moved:
-                r.reconfigure(wanted[name], dev_root, now)
-                self.host.say(INFO, "resource-changed", f"{name}: configuration changed; registering it anew", resource=name)
+                d = wanted[name]
+                how = "registering it anew" if r.reconfigure(d, dev_root, now) else \
+                    f"{d.count} units of {d.path} ({d.permissions}) go to kubelet on the open stream"
+                self.host.say(INFO, "resource-changed", f"{name}: configuration changed; {how}", resource=name)
         for name, device in wanted.items():
             if name not in self.resources:
                 self.resources[name] = Resource(device, dev_root, self.host, self.run_id, self.serve_failed)

@@ -173,6 +173,13 @@ class Performer:
             if server.device == device:
                 server.publish(snapshot)
 
+    def retarget(self, snapshot, device) -> None:
+        """The device changed in what kubelet learns from the list or Allocate: every socket
+        serves the new one, the current registration's included."""
+        for server in self.servers.values():
+            server.retarget(device)
+            server.publish(snapshot)
+
 
 _DO = {
     m.Bind: Performer._bind, m.Place: Performer._place, m.SendRegister: Performer._register,

@@ -36,6 +36,12 @@ _NAMED_IDS = 3
 
 
 
+def plugin_options(device: Device) -> pb.DevicePluginOptions:
+    """What GetDevicePluginOptions answers for `device`: kubelet reads it inside Register,
+    so a change to it needs a new registration (nothing else a reload changes does)."""
+    return pb.DevicePluginOptions()
+
+
 class StreamEvent(enum.Enum):
     """What a server tells the loop about kubelet's ListAndWatch streams."""
 
@@ -206,6 +212,12 @@ class PluginServer:
         except OSError:
             return False
 
+    def retarget(self, device: Device) -> None:
+        """A reload changed what Allocate answers (the path, the permissions): the next
+        Allocate answers with it, on the same socket, for the same registration."""
+        self._spec = pb.DeviceSpec(container_path=device.path, host_path=device.path, permissions=device.permissions)
+        self.device = device
+
     def publish(self, snapshot: Snapshot) -> None:
         with self._cond:
             self._snapshot = snapshot
@@ -228,7 +240,7 @@ class PluginServer:
     # --- gRPC side (worker threads) ------------------------------------------
 
     def GetDevicePluginOptions(self, request, context):
-        return pb.DevicePluginOptions()
+        return plugin_options(self.device)
 
     def ListAndWatch(self, request, context):
         if not self._slots.acquire(blocking=False):

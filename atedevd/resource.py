@@ -15,7 +15,7 @@ from typing import Optional
 from atedevd import devices, sockets
 from atedevd.config import Device
 from atedevd.performer import Performer
-from atedevd.plugin import STREAMS_PER_RESOURCE, AllocateCounts
+from atedevd.plugin import STREAMS_PER_RESOURCE, AllocateCounts, plugin_options
 from atedevd.registration import messages as m
 from atedevd.registration.machine import Registration
 from atedevd.registration.messages import State, Timer
@@ -33,6 +33,7 @@ class Resource:
         self.stream_slots = threading.BoundedSemaphore(STREAMS_PER_RESOURCE)  # shared by its sockets
         self.allocations = AllocateCounts()  # over all its sockets
         self._version = 0
+        self.watch_root = dev_root  # where the node is looked up
         self.look_at_device(dev_root, publish=False)
         self.snapshot = self._new_snapshot()
         longest = os.path.join(host.plugin_dir, sockets.STANDBY_DIR, sockets.socket_name(device.resource, run_id, 10**6))
@@ -74,21 +75,32 @@ class Resource:
         if publish:
             self.snapshot = self._new_snapshot()
             self.performer.publish(self.snapshot, self.device)
-            self._do(self.host.monotonic(), m.Publish(self._healthy_units()))
+            self._do(self.host.monotonic(), m.Publish(self.device.count, self._healthy_units()))
 
     def accept_nodes(self) -> None:
         """A reload: the node at the path now is accepted as the device's (the
         configuration check has judged it)."""
         self.watch.forget()
 
-    def reconfigure(self, device: Device, dev_root: str, now: float) -> None:
-        """The `[[device]]` (or the dev root) changed on reload: serve it anew, handing over;
-        old sockets keep the old table until they are closed."""
-        self.device, self.present = device, None
-        self.watch = devices.NodeWatch()  # whatever node is there now is judged afresh
+    def reconfigure(self, device: Device, dev_root: str, now: float) -> bool:
+        """The `[[device]]` (or the dev root) changed on reload. What kubelet learns from the
+        device list (the count, the health) or from Allocate (the path, the permissions)
+        goes out on the open stream and in the next Allocate: no new registration, no
+        moment in which kubelet would refuse a pod. Only what Register itself carries (the
+        plugin's options) needs a new registration, and old sockets keep the old table.
+        True when it registers anew."""
+        anew = plugin_options(device) != plugin_options(self.device)
+        if device.path != self.device.path or dev_root != self.watch_root or anew:
+            self.watch, self.present = devices.NodeWatch(), None  # the node there now is judged afresh
+        self.device, self.watch_root = device, dev_root
         self.look_at_device(dev_root, publish=False)
         self.snapshot = self._new_snapshot()
-        self._do(now, m.Reconfigure(device.count, self._healthy_units()))
+        if anew:
+            self._do(now, m.Reconfigure(device.count, self._healthy_units()))
+            return True
+        self.performer.retarget(self.snapshot, device)
+        self._do(now, m.Publish(device.count, self._healthy_units()))
+        return False
 
     def _new_snapshot(self) -> devices.Snapshot:
         self._version += 1

@@ -300,3 +300,21 @@ def test_sigterm_leaves_nothing_of_ours_in_kubelets_directory(daemon, kubelet, p
     assert daemon.stop() == 0
     left = subprocess.run(["ls", "-A", plugin_dir], capture_output=True, text=True, check=True).stdout.split()
     assert sorted(left) == [".standin", "kubelet.sock", "kubelet_internal_checkpoint"], left  # the stand-in's own
+
+
+def test_reload_with_the_count_and_permissions_changed_keeps_the_registration_and_its_stream(
+        start_daemon, kubelet, tmp_path):
+    """What kubelet learns from the device list or from Allocate goes out on the open stream
+    and in the next Allocate: no new Register, no moment in which kubelet would refuse a pod."""
+    cfg = tmp_path / "c.toml"
+    write(cfg, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = 4\n')
+    d = start_daemon(config=str(cfg))
+    d.wait_ready()
+    assert kubelet.wait_connected(RESOURCE) and kubelet.wait(lambda: kubelet.capacity(RESOURCE) == 4, 5), d.log()
+    stream, registers = kubelet.live_streams(RESOURCE), kubelet.registration_count(RESOURCE)
+    write(cfg, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = 8\npermissions = "r"\n')
+    reload(d)
+    assert kubelet.wait(lambda: kubelet.capacity(RESOURCE) == 8, 5), d.log()
+    assert kubelet.allocate(RESOURCE, ["kvm-7"]).container_responses[0].devices[0].permissions == "r"
+    assert kubelet.registration_count(RESOURCE) == registers and kubelet.live_streams(RESOURCE) == stream
+    assert "8 units of /dev/kvm (r) go to kubelet on the open stream" in d.log()

@@ -8,7 +8,7 @@ default level is what journald stores (priority from the level), so it is read h
 
 import re
 
-from tests.harness import RESOURCE
+from tests.harness import RESOURCE, wait_until
 
 RESTARTS = 100
 LINE = re.compile(r"\d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) (.*)")
@@ -31,6 +31,9 @@ def test_a_hundred_kubelet_restarts_log_no_warning(start_daemon, kubelet):
         mark = kubelet.mark()
         kubelet.restart()
         kubelet.assert_healthy(RESOURCE, 1024, since=mark, new_registrations=1)
+        # kubelet has the registration; the daemon says so once it has seen the stream open
+        # (else the next restart can come first, and this round's line is rightly never said).
+        assert wait_until(lambda: d.log().count("registered again with kubelet") > n, 5), d.log()
     assert kubelet.wait_connected(RESOURCE, registrations=RESTARTS + 1), d.log()
     lines = levels(d.log())
     loud = [f"{level} {message}" for level, message in lines if level not in ("DEBUG", "INFO")]

@@ -145,17 +145,22 @@ def reload(d) -> None:
     assert d.notify.wait_for("READY", "1", timeout=10, after=n), d.log()
 
 
-def test_sighup_with_the_resource_changed(start_daemon, kubelet, rng, tmp_path):
+def test_sighup_with_the_count_changed_registers_nothing(start_daemon, kubelet, rng, tmp_path):
+    """The new count reaches kubelet on the open stream: no Register, the same stream."""
     cfg = write_config(tmp_path / "c.toml", 1024)
     d = start_daemon(config=cfg)
     d.wait_ready()
     end_state(kubelet, d, rng, since=0, new=1)
+    stream = kubelet.live_streams(RESOURCE)
     for i in range(ROUNDS):
         count = 64 if i % 2 == 0 else 1024
         m = kubelet.mark()
         write_config(cfg, count)
         reload(d)
-        end_state(kubelet, d, rng, since=m, new=1, expected=count)
+        assert kubelet.wait(lambda: kubelet.capacity(RESOURCE) == count, SETTLE), d.log()
+        end_state(kubelet, d, rng, since=m, expected=count)
+        assert kubelet.register_calls[m:] == [], "a count change was registered anew"
+        assert kubelet.live_streams(RESOURCE) == stream, "the stream was replaced"
 
 
 def test_sighup_with_the_resource_unchanged_registers_nothing(start_daemon, kubelet, rng, tmp_path):

@@ -126,7 +126,7 @@ class Registration:
         self.moves.move(State.UNSERVED, now)
 
     def _publish(self, now: float, e: m.Publish) -> None:
-        self.moves.healthy_units = e.healthy_units
+        self.moves.units, self.moves.healthy_units = e.units, e.healthy_units
         if self.moves.state is State.REGISTERED and self.questions.asked is Question.NONE:  # kubelet's count follows: look again soon
             self.check.soon(now)
 

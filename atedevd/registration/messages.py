@@ -102,8 +102,10 @@ class Unserve(NamedTuple):
 
 
 class Publish(NamedTuple):
-    """A new device table went to our sockets: `healthy_units` of them are Healthy."""
+    """A new device table went to our sockets: `units`, `healthy_units` of them Healthy. kubelet
+    learns it on the open stream: no new registration."""
 
+    units: int
     healthy_units: int
 
 

@@ -163,6 +163,9 @@ class SimServer:
     def socket_is_ours(self) -> bool:
         return self.inode is not None and self.w.fs.is_ours(self)
 
+    def retarget(self, device) -> None:
+        self.device = device
+
     def publish(self, snapshot) -> None:
         self.snapshot = snapshot
         for c in self.streams:
