@@ -100,5 +100,7 @@ class Host:
             done(Listing.REFUSED, {}, error)
         elif call.code is not None and call.code.name == "UNIMPLEMENTED":
             done(Listing.ABSENT, {}, error)
+        elif call.code is not None and call.code.name == "RESOURCE_EXHAUSTED":  # kubelet's rate limit
+            done(Listing.EXHAUSTED, {}, error)
         else:
             done(Listing.FAILED, {}, error)

@@ -17,6 +17,7 @@ import inotify.constants as ic
 from atedevd import sockets
 from atedevd.config import Device
 from atedevd.kubelet import KUBELET_SOCKET, KubeletView
+from atedevd.pod_resources import PodResourcesClient
 from atedevd.registration.messages import State
 from atedevd.registration.report import Report
 from atedevd.resource import Resource
@@ -60,6 +61,7 @@ class Node:
         self.run_id = run_id
         self.serve_failed = serve_failed  # (path, OSError) -> True when the daemon stops because of it
         self.kubelet = KubeletView(plugin_dir, host.identity)
+        self.pod_resources = PodResourcesClient(host)  # every resource's questions, within one budget
         self.resources: Dict[str, Resource] = {}
         self.stopping = False
 
@@ -84,7 +86,8 @@ class Node:
                 self.host.say(INFO, "resource-changed", f"{name}: configuration changed; {how}", resource=name)
         for name, device in wanted.items():
             if name not in self.resources:
-                self.resources[name] = Resource(device, dev_root, self.host, self.run_id, self.serve_failed)
+                self.resources[name] = Resource(device, dev_root, self.host, self.pod_resources, self.run_id,
+                                                self.serve_failed)
 
     def accept_nodes(self) -> None:
         """A reload checked the configuration: the nodes there now are the devices'."""
@@ -117,6 +120,9 @@ class Node:
     def wake(self, now: float) -> bool:
         """After any wake-up: what is due, then what is served made to match what exists.
         True when a resource began to be served."""
+        at = self.pod_resources.deadline
+        if at is not None and at <= now:
+            self.pod_resources.on_timer(now)
         if not self.stopping and any(r.retry_due(now) for r in self.resources.values()):
             self.look_at_kubelet(now, created=False, lost=True)  # in case an event was lost
         for r in list(self.resources.values()):
@@ -160,6 +166,8 @@ class Node:
 
     def deadline(self) -> Optional[float]:
         times = [r.deadline for r in self.resources.values() if r.deadline is not None]
+        if self.pod_resources.deadline is not None:
+            times.append(self.pod_resources.deadline)
         return min(times) if times else None
 
     def registers_sent(self) -> bool:

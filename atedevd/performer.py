@@ -26,10 +26,11 @@ class Performer:
     """The sockets and calls of one resource; `owner` gives its device, snapshot,
     stream budget and Allocate counts (atedevd/resource.py)."""
 
-    def __init__(self, owner, machine: Registration, host, run_id: str, serve_failed) -> None:
+    def __init__(self, owner, machine: Registration, host, pod_resources, run_id: str, serve_failed) -> None:
         self.owner = owner
         self.machine = machine
         self.host = host
+        self.pod_resources = pod_resources  # the daemon's one client (atedevd/pod_resources.py)
         self.plugin_dir = host.plugin_dir
         self.run_id = run_id
         self.serve_failed = serve_failed  # (path, OSError) -> True when the daemon stops because of it
@@ -105,7 +106,7 @@ class Performer:
         if not self.host.exists(path):
             self.machine.handle(self.host.monotonic(), m.Listed(a.cid, Listing.ABSENT))
             return
-        self._calls[a.cid] = self.host.ask_allocatable(path, lambda listing, counts, error: self._ask_done(a.cid, listing, counts, error))
+        self._calls[a.cid] = self.pod_resources.ask(lambda listing, counts, error: self._ask_done(a.cid, listing, counts, error))
 
     def _count(self, a: m.CountConnections) -> None:
         paths = [self.servers[s].bind_path for s in a.sids if s in self.servers]

@@ -23,7 +23,7 @@ from atedevd.registration.report import Report
 
 
 class Resource:
-    def __init__(self, device: Device, dev_root: str, host, run_id: str, serve_failed) -> None:
+    def __init__(self, device: Device, dev_root: str, host, pod_resources, run_id: str, serve_failed) -> None:
         self.device = device
         self.host = host
         self.watch = devices.NodeWatch()  # the node first served
@@ -41,7 +41,7 @@ class Resource:
                                     standby_possible=len(os.fsencode(longest)) <= sockets.MAX_SOCKET_PATH,
                                     device_path=device.path,
                                     connections_visible=host.held_connections(()) is not None)
-        self.performer = Performer(self, self.machine, host, run_id, serve_failed)
+        self.performer = Performer(self, self.machine, host, pod_resources, run_id, serve_failed)
 
     @property
     def name(self) -> str:

@@ -4,7 +4,7 @@ the SocketBook, the Handover, the CountCheck and the Tally (atedevd/registration
 import itertools
 import logging
 
-from atedevd.registration import count_check, handover, report
+from atedevd.registration import count_check, handover, questions, report
 from atedevd.registration import messages as m
 from atedevd.registration.count_check import Agreement, CountCheck
 from atedevd.registration.handover import Handover, Phase, Purpose, Verdict
@@ -279,11 +279,26 @@ def test_one_question_in_flight_and_its_answer_goes_to_whoever_asked():
     q.ask(Question.START)
     q.ask(Question.CHECK)  # asked anew: the first is cancelled
     assert out == [m.AskPodResources(1), m.CancelCall(1), m.AskPodResources(2)]
-    assert q.answered(m.Listed(1, Listing.LISTED, 4)) is Question.NONE  # the cancelled one's answer
+    assert q.answered(0.0, m.Listed(1, Listing.LISTED, 4)) is Question.NONE  # the cancelled one's answer
     q.cancel(unless=Question.CHECK)
     assert q.asked is Question.CHECK and len(out) == 3
-    assert q.answered(m.Listed(2, Listing.LISTED, 4)) is Question.CHECK and q.asked is Question.NONE
-    assert q.answered(m.Listed(2, Listing.LISTED, 4)) is Question.NONE  # answered once
+    assert q.answered(0.0, m.Listed(2, Listing.LISTED, 4)) is Question.CHECK and q.asked is Question.NONE
+    assert q.answered(0.0, m.Listed(2, Listing.LISTED, 4)) is Question.NONE  # answered once
+
+
+def test_a_question_the_rate_limit_refused_is_asked_again_later_and_answers_nobody_meanwhile():
+    out = []
+    q = Questions(out, itertools.count(1))
+    q.ask(Question.HANDOVER)
+    assert q.answered(1.0, m.Listed(1, Listing.EXHAUSTED)) is Question.NONE
+    assert q.asked is Question.HANDOVER and q.deadline == 1.0 + questions.AGAIN_S and q.served is None
+    q.on_timer()
+    assert out[-1] == m.AskPodResources(2) and q.deadline is None
+    assert q.answered(1.2, m.Listed(2, Listing.LISTED, 0)) is Question.HANDOVER
+    q.ask(Question.CHECK)
+    q.answered(2.0, m.Listed(3, Listing.EXHAUSTED))
+    q.cancel()  # while waiting to ask again: nothing in flight to cancel
+    assert q.deadline is None and q.asked is Question.NONE and out[-1] == m.AskPodResources(3)
 
 
 def test_whether_pod_resources_is_served_is_said_once_each_way():
@@ -291,7 +306,7 @@ def test_whether_pod_resources_is_served_is_said_once_each_way():
     q = Questions(out, itertools.count(1))
     for listing in (Listing.LISTED, Listing.LISTED, Listing.FAILED, Listing.ABSENT, Listing.ABSENT):
         q.ask(Question.CHECK)
-        q.answered(m.Listed(q._cid, listing))
+        q.answered(0.0, m.Listed(q._cid, listing))
     said = of(out, m.Say)
     assert [s.once for s in said] == ["pod-resources-served", "pod-resources-absent"] and q.served is False
     assert f"fixed {handover.FIXED_WAIT_S * 1000:.0f} ms" in said[1].text

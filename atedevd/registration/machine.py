@@ -302,7 +302,7 @@ class Registration:
                              self.moves.kubelet_at, self.moves.kubelet_up)
 
     def _listed(self, now: float, e: m.Listed) -> None:
-        question = self.questions.answered(e)
+        question = self.questions.answered(now, e)
         if question is not Question.START and e.listing is Listing.LISTED and e.count > 0:
             self.book.listed_seen = True
         if question is Question.START:
@@ -362,6 +362,9 @@ class Registration:
         if self.moves.state is State.REGISTERED and self.questions.asked is Question.NONE:
             self.questions.ask(Question.CHECK)
 
+    def _timer_ask(self, now: float) -> None:
+        self.questions.on_timer()
+
     def _timer_warn(self, now: float) -> None:
         self.tally.on_timer(now, self.moves.state is State.REGISTERED)
 
@@ -375,6 +378,7 @@ _TIMERS = (
     (Timer.VERIFY, lambda r: r.attempts.verify_by, Registration._timer_verify),
     (Timer.HANDOVER, lambda r: r.handover.deadline, Registration._timer_handover),
     (Timer.CHECK, lambda r: r.check.deadline, Registration._timer_check),
+    (Timer.ASK, lambda r: r.questions.deadline, Registration._timer_ask),
     (Timer.WARN, lambda r: r.tally.deadline, Registration._timer_warn),
 )
 _HANDLERS = {

@@ -69,6 +69,7 @@ class Listing(enum.Enum):
     LISTED = "listed"  # answered: `count` of our devices are allocatable
     ABSENT = "absent"  # kubelet serves no pod-resources API (or not that call)
     REFUSED = "refused"  # nobody accepts connections: kubelet is not serving
+    EXHAUSTED = "exhausted"  # kubelet's rate limit refused it (ResourceExhausted): ask again later
     FAILED = "failed"  # any other error
 
 
@@ -81,6 +82,7 @@ class Timer(enum.Enum):
     HANDOVER = "handover"  # the next step of waiting for kubelet to let go
     VERIFY = "verify"  # kubelet's ListAndWatch should have opened by now
     CHECK = "check"  # ask pod-resources whether kubelet counts our devices
+    ASK = "ask"  # pod-resources refused a question for its rate limit: ask it again
     WARN = "warn"  # still not registered: say so
 
 

@@ -23,10 +23,13 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--blind", action="store_true", help="the daemon cannot see kubelet's connections (pod-resources only)")
     p.add_argument("--no-pod-resources", action="store_true", help="kubelet serves no pod-resources API")
+    p.add_argument("--agent", type=float, default=80.0, metavar="RPS",
+                   help="a node agent's pod-resources calls a second beside us, out of kubelet's 100 (default 80)")
     p.add_argument("--fixed-wait", type=float, help="override the fixed let-go wait (seconds) where nothing shows kubelet's teardown")
     p.add_argument("--replay", type=int, metavar="SEED", help="run one round and print its history")
     a = p.parse_args(argv)
-    variant = {"connections_visible": not a.blind, "pod_resources": not a.no_pod_resources, "fixed_wait": a.fixed_wait}
+    variant = {"connections_visible": not a.blind, "pod_resources": not a.no_pod_resources, "fixed_wait": a.fixed_wait,
+               "agent_rps": a.agent}
     scenarios = a.scenario or sorted(SCENARIOS)
     modes = a.kubelet or list(MODES)
     if a.replay is not None:

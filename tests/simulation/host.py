@@ -96,6 +96,8 @@ class SimHost:
                 reply = (Listing.ABSENT, {}, "unimplemented")
             elif got == "refused":
                 reply = (Listing.REFUSED, {}, "kubelet is not accepting connections")
+            elif got == "exhausted":
+                reply = (Listing.EXHAUSTED, {}, "RESOURCE_EXHAUSTED: rejected by rate limit")
             else:
                 reply = (Listing.LISTED, {self.d.resource_name: got}, None)
             self.w.after(self.w.delay(), self._deliver, partial(done, *reply))

@@ -16,6 +16,8 @@ and another live endpoint of the resource takes over.
 
 from typing import Dict, List, Optional
 
+# pkg/kubelet/apis/podresources/constants.go: every client of pod-resources together.
+POD_RESOURCES_RATE, POD_RESOURCES_BURST = 100.0, 10.0
 STEPS = ("before_dial", "after_dial", "before_options", "before_set_endpoint", "before_return",
          "before_stream", "teardown", "teardown_lookup")
 DIAL_TIMEOUT_S = 10.0
@@ -62,17 +64,22 @@ class Incarnation:
         self.healthy: Dict[str, int] = {}  # name -> healthy device count
         self.accepted: List[tuple] = []  # (resource, path, arrived_at, client) of Registers that returned OK
         self.in_flight = 0
+        self.tokens, self.filled_at = POD_RESOURCES_BURST, None  # pod-resources' rate limiter
 
 
 class KubeletModel:
     """kubelet's side of the wire, as events on the world's clock."""
 
-    def __init__(self, world, mode: str, pod_resources: bool = True):
+    def __init__(self, world, mode: str, pod_resources: bool = True, agent_rps: float = 80.0):
         if mode not in ("1.32", "current"):
             raise ValueError(mode)
         self.w = world
         self.mode = mode
         self.pod_resources = pod_resources
+        # A node agent polling pod-resources at this rate beside us, in its steady state: what
+        # kubelet's limit refills for everyone else is what it leaves.
+        self.agent_rps = agent_rps
+        self.exhausted = 0  # our questions kubelet's limit refused
         self.inc: Optional[Incarnation] = None
         self.incarnations = 0
         self.checkpoint: Dict[str, int] = {}
@@ -300,6 +307,14 @@ class KubeletModel:
         inc = self.inc
         if inc is None or not inc.alive:
             return "refused"
+        now = self.w.now
+        if inc.filled_at is not None:
+            inc.tokens = min(POD_RESOURCES_BURST, inc.tokens + (now - inc.filled_at) * (POD_RESOURCES_RATE - self.agent_rps))
+        inc.filled_at = now
+        if inc.tokens < 1.0:
+            self.exhausted += 1
+            return "exhausted"
+        inc.tokens -= 1.0
         return inc.healthy.get(resource, 0) if resource in inc.endpoints else 0
 
     # --- what the checks ask -----------------------------------------------------------
@@ -336,6 +351,9 @@ class KubeletModel:
                 out.append(f"current endpoint {e.path} is not the newest registration's ({newest[1]})")
         if inc.healthy.get(resource, 0) != expected:
             out.append(f"allocatable {inc.healthy.get(resource, 0)} != {expected}")
+        if self.exhausted:
+            out.append(f"kubelet's pod-resources limit refused {self.exhausted} of our questions "
+                       f"(a node agent polling at {self.agent_rps:g}/s beside us)")
         # A Register in flight when its daemon was killed goes on in kubelet; nothing the next
         # daemon can see tells it apart, so a duplicate it makes is counted, not failed on.
         dup = [d for d in self.duplicates(resource) if d[0] not in self.w.orphaned]

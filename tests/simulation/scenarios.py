@@ -120,12 +120,13 @@ def end_state(w: World) -> List[str]:
 
 def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep: bool = False,
               connections_visible: bool = True, pod_resources: bool = True,
-              fixed_wait: Optional[float] = None) -> Tuple[List[str], List[str], int]:
+              fixed_wait: Optional[float] = None, agent_rps: float = 80.0) -> Tuple[List[str], List[str], int]:
     """One round: the problems with its end state (none: healthy), with `keep` its history, and
     how many events it took."""
     if fixed_wait is not None:
         handover.FIXED_WAIT_S = fixed_wait
-    w = World(seed, mode, max_delay=max_delay, pod_resources=pod_resources, connections_visible=connections_visible)
+    w = World(seed, mode, max_delay=max_delay, pod_resources=pod_resources, connections_visible=connections_visible,
+              agent_rps=agent_rps)
     w.trace = keep
     w.kubelet.start()
     w.after(w.rng.uniform(0, 0.5), w.start_daemon)

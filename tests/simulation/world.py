@@ -32,7 +32,7 @@ _MASKS = {"create": ic.IN_CREATE, "delete": ic.IN_DELETE, "moved_to": ic.IN_MOVE
 
 class World:
     def __init__(self, seed: int, mode: str, max_delay: float = 1.0, pod_resources: bool = True, count: int = 1024,
-                 connections_visible: bool = True):
+                 connections_visible: bool = True, agent_rps: float = 80.0):
         self.rng = random.Random(seed)
         self.seed = seed
         self.now = 0.0
@@ -40,7 +40,7 @@ class World:
         self._q: list = []
         self._seq = 0
         self.fs = Directory(self)
-        self.kubelet = KubeletModel(self, mode, pod_resources)
+        self.kubelet = KubeletModel(self, mode, pod_resources, agent_rps)
         self.count = count
         self.connections_visible = connections_visible
         self.orphaned: set = set()  # sockets named in a Register that was in flight when its daemon was killed
