@@ -14,10 +14,8 @@ and how to make it so; that does not change the exit status, as root pods need
 nothing.
 """
 
-import grp
 import json
 import os
-import pwd
 import shutil
 import socket
 import stat
@@ -27,6 +25,8 @@ from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from atedevd import config, metrics
 from atedevd.config import Config, ConfigError, Device
+from atedevd.trust import group_name as _group
+from atedevd.trust import user_name as _user
 
 EX_READY = 0
 EX_NOT_READY = 1
@@ -379,20 +379,6 @@ def char_link_state(dev_root: str, host_path: str, st: os.stat_result) -> Tuple[
     if not stat.S_ISCHR(lst.st_mode) or lst.st_rdev != st.st_rdev:
         return False, f"{link} does not lead to {host_path}", f"ln -sfn {target} {link}"
     return True, f"{link} present", None
-
-
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-def _group(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
 
 
 # --- the plugin directory in atedevd.service's sandbox ------------------------------

@@ -48,7 +48,7 @@ class Resource:
         self.advertised = False  # once served, kept served (Unhealthy while the node is missing)
         self.present: Optional[bool] = None
         self.version = 0
-        self.node = devices.NodeWatch()  # the node first served
+        self.table: Optional[devices.SharedTable] = None  # its nodes, as last looked at (made at the first look)
 
     @property
     def name(self) -> str:
@@ -275,22 +275,20 @@ class Daemon:
 
     def _check_presence(self, r: Resource, now: float) -> None:
         if r.present is None:  # new, or its configuration changed: whatever node is there now is judged afresh
-            r.node = devices.NodeWatch()
-        change = r.node.look(r.device, self.cfg.dev_root, r.advertised)
-        if change is None:
+            r.table = devices.table(r.device, self.cfg.dev_root, self.cfg.sys_root)
+        changes, changed = r.table.look()
+        for c in changes:
+            event(c.level, c.event, f"{r.name}: {c.message}", resource=r.name, device=c.device or r.device.path)
+        if not changed:
             return
-        event(change.level, change.event, f"{r.name}: {change.message}", resource=r.name, device=r.device.path)
-        if change.present == r.present:
-            return
-        r.present = change.present
-        if change.present:
-            r.advertised = True
+        r.present = r.table.healthy
+        r.advertised |= r.table.advertised
         if r.reg is not None:  # None while the resource is being added
             r.reg.publish(self._snapshot(r), now)
 
     def _snapshot(self, r: Resource) -> devices.Snapshot:
         r.version += 1
-        return devices.Snapshot(r.device, bool(r.present), r.version)
+        return r.table.snapshot(r.version)
 
     def _serve_failed(self, path: str, error: OSError) -> bool:
         """A socket could not be bound. True when that means the daemon must restart."""
@@ -312,7 +310,7 @@ class Daemon:
     def _apply(self, cfg: Config, first: bool = False) -> None:
         """Adopt `cfg`: resources added start, removed stop, changed register anew
         (handing over their old socket), unchanged are not touched."""
-        old_root = self.cfg.dev_root
+        old_root, old_sys = self.cfg.dev_root, self.cfg.sys_root
         if not first and cfg.device_plugin_dir != self.cfg.device_plugin_dir:
             event(WARNING, "reload", f"device_plugin_dir cannot change on reload; still using {self.cfg.device_plugin_dir} (restart to change it)")
             cfg = cfg._replace(device_plugin_dir=self.cfg.device_plugin_dir)
@@ -330,7 +328,7 @@ class Daemon:
                 r.reg.close()
                 del self.resources[name]
                 event(INFO, "resource-removed", f"{name}: no longer configured; stopped serving it", resource=name)
-            elif wanted[name] != r.device or cfg.dev_root != old_root:
+            elif wanted[name] != r.device or cfg.dev_root != old_root or cfg.sys_root != old_sys:
                 r.device, r.present = wanted[name], None
                 self._check_presence(r, now)
                 r.reg.reconfigure(r.device, self._snapshot(r), now)
@@ -341,7 +339,7 @@ class Daemon:
                 self._check_presence(r, now)
                 r.reg = Registrar(device, self._snapshot(r), self._ctx)
                 self.resources[name] = r
-        dirs = [self.cfg.device_plugin_dir] + [os.path.dirname(d.host_path(cfg.dev_root)) for d in cfg.devices]
+        dirs = [self.cfg.device_plugin_dir] + [p for d in cfg.devices for p in devices.directories(d, cfg.dev_root)]
         self._watcher.want(dirs)
         self._reconcile()
 
@@ -355,7 +353,7 @@ class Daemon:
         else:
             self.reload_error = None
             for r in self.resources.values():  # the checked configuration accepts the nodes there now
-                r.node.forget()
+                r.table.forget()
             self._apply(cfg)
             event(INFO, "reloaded", f"configuration reloaded: {self._summary()}")
         self.notifier.ready(self._status())
@@ -385,7 +383,8 @@ class Daemon:
 
     def _describe(self, r: Resource, dir_ok: bool) -> str:
         if not r.advertised:
-            return f"{r.device.path} missing, not advertised"
+            return f"no node matches {r.device.path}, not advertised" if r.device.pattern else \
+                f"{r.device.path} missing, not advertised"
         if not dir_ok:
             return f"waiting for {self.cfg.device_plugin_dir}"
         return r.reg.describe()

@@ -56,7 +56,7 @@ class Registrar:
         self.snapshot = snapshot
         self.ctx = ctx
         longest = os.path.join(ctx.plugin_dir, sockets.STANDBY_DIR, sockets.socket_name(device.resource, ctx.run_id, 10**6))
-        self.machine = rm.Registration(device.resource, device.count, snapshot.healthy,
+        self.machine = rm.Registration(device.resource, _counted(snapshot), snapshot.healthy,
                                        standby_possible=len(os.fsencode(longest)) <= sockets.MAX_SOCKET_PATH,
                                        device_path=device.path,
                                        connections_visible=sockets.held_connections(()) >= 0)
@@ -131,12 +131,13 @@ class Registrar:
         for server in self.servers.values():
             if server.device == self.device:  # after a reload, old sockets keep the old table
                 server.publish(snapshot)
+        self.machine.count = _counted(snapshot)
         self.machine.publish(now, snapshot.healthy)
         self._perform()
 
     def reconfigure(self, device: Device, snapshot: Snapshot, now: float) -> None:
         self.device, self.snapshot = device, snapshot
-        self.machine.reconfigure(now, device.count)
+        self.machine.reconfigure(now, _counted(snapshot))
         self._perform()
 
     def begin_stop(self, now: float) -> None:
@@ -253,7 +254,7 @@ class Registrar:
             return
         self._registers += 1
         level = logging.INFO if self._registers == 1 else logging.DEBUG
-        event(level, "serving", f"{self.name}: serving {self.device.count} units of {self.device.path} on {server.socket_path}",
+        event(level, "serving", f"{self.name}: serving {self.snapshot.units} units of {self.device.path} on {server.socket_path}",
               resource=self.name, device=self.device.path, socket=server.socket_path)
         call = RegisterCall(self.ctx.plugin_dir, self.name, os.path.basename(server.socket_path),
                             lambda c, _result, error: self.ctx.post(partial(self._register_done, cid, c, error)))
@@ -310,3 +311,10 @@ class Registrar:
     def _is_ours(self, sid: int) -> bool:
         server = self.servers.get(sid)
         return server is not None and server.socket_is_ours()
+
+
+def _counted(snapshot: Snapshot) -> int:
+    """What the machine takes as the count: it expects kubelet to list `count` allocatable while
+    `healthy`, which is every unit of a shareable device but only the Healthy ones of a pattern's.
+    (A stand-in until the machine compares kubelet's count with `snapshot.healthy_units` itself.)"""
+    return snapshot.healthy_units or snapshot.units
