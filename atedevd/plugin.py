@@ -17,7 +17,7 @@ import grpc
 
 from atedevd.api import device_plugin_handler, pb
 from atedevd.config import Device
-from atedevd.devices import Snapshot, preferred
+from atedevd.devices import Snapshot
 from atedevd.sockets import MAX_SOCKET_PATH
 
 log = logging.getLogger(__name__)
@@ -310,6 +310,8 @@ class PluginServer:
     def GetPreferredAllocation(self, request, context):
         """Advertised for pattern resources: units on one NUMA node where one can give them all
         (kubelet's Topology Manager aligns by the same information, when its policy asks)."""
+        from atedevd.patterns import preferred  # loaded where some device has a pattern
+
         snap = self._snapshot
         by_id = snap.by_id if snap is not None and snap.by_id is not None else {}
         numa = lambda i: by_id[i].numa if i in by_id else ()  # noqa: E731

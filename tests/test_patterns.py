@@ -314,9 +314,9 @@ def test_a_usb_adapters_numa_node_is_its_controllers(tmp_path):
     (sys_root / "dev" / "char" / "188:0").mkdir(parents=True)
     os.symlink(tty.parent, sys_root / "dev" / "char" / "188:0" / "device")
     node = devices.policy.Node("/dev/ttyUSB0", "/dev/ttyUSB0", "char", 188, 0)
-    assert devices.placement(node, str(sys_root)) == ((1,), ())
+    assert patterns.placement(node, str(sys_root)) == ((1,), ())
     (pci / "numa_node").write_text("-1\n")
-    assert devices.placement(node, str(sys_root)) == ((), ())
+    assert patterns.placement(node, str(sys_root)) == ((), ())
 
 
 # --- snapshots and the preferred allocation ---------------------------------------------------
@@ -326,7 +326,7 @@ def test_a_snapshot_counts_its_units_and_the_healthy_ones():
     shared = devices.Snapshot(Device("a.dev/kvm", "/dev/kvm", 8), True, 1)
     assert (shared.units, shared.healthy_units, shared.by_id) == (8, 8, None)
     assert devices.Snapshot(Device("a.dev/kvm", "/dev/kvm", 8), False, 1).healthy_units == 0
-    units = (devices.Unit("a", "/dev/a", True, (0,)), devices.Unit("b", "/dev/b", False))
+    units = (patterns.Unit("a", "/dev/a", True, (0,)), patterns.Unit("b", "/dev/b", False))
     snap = devices.Snapshot(Device("a.dev/x", "/dev/*"), False, 2, units=units)
     assert (snap.units, snap.healthy_units, snap.healthy) == (2, 1, True)  # healthy: at least one unit is
     again = snap.again()
@@ -347,4 +347,4 @@ NUMA = {"n0-a": (0,), "n0-b": (0,), "n1-a": (1,), "n1-b": (1,), "n1-c": (1,), "n
 ])
 def test_the_preferred_allocation_keeps_a_container_on_one_numa_node(must, size, expected):
     available = ["none", "n1-c", "n0-b", "n1-a", "n0-a", "n1-b"]  # kubelet's order is a map's
-    assert devices.preferred(available, must, size, lambda i: NUMA[i]) == expected
+    assert patterns.preferred(available, must, size, lambda i: NUMA[i]) == expected
