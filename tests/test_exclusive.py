@@ -14,7 +14,7 @@ import pytest
 
 from atedevd.api import pb
 from tests.harness import REPO, wait_until
-from tests.test_patterns import fake_vfio_sysfs, mknod
+from tests.test_patterns import fake_vfio_sysfs, mknod, vfio_nodes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root (CI runs as root)")
 
@@ -94,9 +94,7 @@ def test_a_pattern_that_matches_nothing_is_not_advertised_until_a_node_appears(s
 
 
 def test_companions_come_in_the_same_answer_and_a_missing_one_stops_every_unit(start_daemon, kubelet, dev_root, tmp_path):
-    mknod(dev_root, "vfio/vfio", 10, 196)
-    mknod(dev_root, "vfio/12", 243, 0)
-    mknod(dev_root, "vfio/13", 243, 1)
+    vfio_nodes(dev_root, 12, 13)
     d = start_daemon(config=write(tmp_path / "c.toml", VFIO_TOML.replace('"rw"', '"rwm"')))
     d.wait_ready()
     assert kubelet.wait_connected(VFIO), d.log()

@@ -25,6 +25,13 @@ def mknod(root, name, major, minor):
     return path
 
 
+def vfio_nodes(dev, *groups):
+    """/dev/vfio/vfio and a group node per name, minors in order (243 is a major VFIO gets)."""
+    mknod(dev, "vfio/vfio", 10, 196)
+    for minor, group in enumerate(groups):
+        mknod(dev, f"vfio/{group}", 243, minor)
+
+
 def fake_vfio_sysfs(root, groups):
     """sysfs as the kernel shows VFIO groups: /sys/dev/char/MAJ:MIN of class vfio named vfio/N,
     and /sys/kernel/iommu_groups/N/devices/<PCI address>/numa_node. groups: {N: (minor, numa, pci)};
@@ -264,9 +271,7 @@ def test_numbers_once_served_are_that_units_until_a_reload(tmp_path):
 @needs_root
 def test_companions_travel_with_every_unit_and_a_missing_one_takes_them_all(tmp_path):
     dev = tmp_path / "dev"
-    mknod(dev, "vfio/12", 243, 0)
-    mknod(dev, "vfio/13", 243, 1)
-    mknod(dev, "vfio/vfio", 10, 196)
+    vfio_nodes(dev, 12, 13)
     t = devices.table(Device("a.dev/v", "/dev/vfio/*", companions=("/dev/vfio/vfio",)), str(dev), str(tmp_path / "nosys"))
     assert look(t)[2] == {"vfio-12": ("/dev/vfio/12", True), "vfio-13": ("/dev/vfio/13", True)}  # vfio is no unit
     os.unlink(dev / "vfio" / "vfio")
@@ -280,10 +285,7 @@ def test_companions_travel_with_every_unit_and_a_missing_one_takes_them_all(tmp_
 @needs_root
 def test_vfio_groups_carry_their_numa_node_and_a_noiommu_group_is_refused(tmp_path):
     dev = tmp_path / "dev"
-    mknod(dev, "vfio/12", 243, 0)
-    mknod(dev, "vfio/13", 243, 1)
-    mknod(dev, "vfio/noiommu-0", 243, 2)
-    mknod(dev, "vfio/vfio", 10, 196)
+    vfio_nodes(dev, 12, 13, "noiommu-0")
     sys_root = fake_vfio_sysfs(tmp_path / "sys", {12: (0, 1, "0000:3b:00.0"), 13: (1, -1, "0000:af:00.0"),
                                                   "noiommu-0": (2, 0, None)})
     t = devices.table(Device("a.dev/v", "/dev/vfio/*", companions=("/dev/vfio/vfio",)), str(dev), sys_root)
