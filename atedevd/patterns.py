@@ -12,9 +12,10 @@ pattern starts with one.
 A unit's ID is the matched node's path under /dev with each "/" written "-":
 `/dev/vfio/12` is `vfio-12`, `/dev/ttyUSB0` is `ttyUSB0`. kubelet keeps, in its
 checkpoint, both the IDs a container holds and the Allocate answer that gave it
-its nodes (the path), and after a restart either replays that answer or asks
-again with the same IDs. Only an ID that always means the same path keeps the
-two from disagreeing; an ID from a listing's order does not (the second node
+its nodes (the path), and when the container starts again (after a crash, a
+kubelet restart, a reboot) checks those IDs are Healthy and replays that
+answer. Only an ID that always means the same path keeps the two from
+disagreeing; an ID from a listing's order does not (the second node
 of a directory is another node once the first is unplugged), and neither does
 an ID from the hardware when the path it is answered with is the kernel's name
 for whatever holds it now. Where the kernel's names are not stable enough, match
