@@ -129,9 +129,9 @@ def _check_device(cfg: Config, dev: Device, report: Report) -> None:
            "type": what, "units": dev.count, "unit_ids": _units(dev), "device_number": None,
            "uid": None, "gid": None, "owner": None, "mode": None, "non_root": None, "char_link": None,
            "nodes": node_rows(cfg, dev)}
-    companions = [n for n in row["nodes"] if n["role"] == "companion" and n["state"] != "ok"]
-    if ok and companions:
-        ok, what = False, "; ".join(f"companion {n['host_path']}: {n['state']}" for n in companions)
+    for n in row["nodes"]:
+        if n["role"] == "companion" and n["state"] != "ok":  # no unit is Healthy without it
+            report.add("device", dev.resource, PROBLEM, f"companion {n['host_path']}: {n['state']}")
     report.devices.append(row)
     report.add("device", dev.resource, OK if ok else PROBLEM, f"{host}: {what}")
     if not ok:
@@ -154,8 +154,8 @@ def _check_pattern(cfg: Config, dev: Device, report: Report) -> None:
     """A pattern's units, one per matching node: ready when at least one can be served."""
     nodes = node_rows(cfg, dev)
     units = [n for n in nodes if n["role"] == "unit"]
-    healthy = [n for n in units if n["state"] == "ok"]
-    companions = [n for n in nodes if n["role"] == "companion" and n["state"] != "ok"]
+    companions = [n for n in nodes if n["role"] == "companion" and n["state"] != "ok"]  # no unit is Healthy without them
+    healthy = [n for n in units if n["state"] == "ok" and not companions]
     matched = sum(1 for n in nodes if n["role"] != "companion")
     ids = ", ".join(n["id"] for n in healthy[:4]) + (f", ... ({len(healthy)})" if len(healthy) > 4 else "")
     row = {"resource": dev.resource, "path": dev.path, "host_path": dev.host_path(cfg.dev_root), "present": bool(units),
@@ -164,13 +164,15 @@ def _check_pattern(cfg: Config, dev: Device, report: Report) -> None:
            "unit_ids": f"{len(healthy)} ({ids})" if healthy else "0", "device_number": None, "uid": None, "gid": None,
            "owner": None, "mode": None, "non_root": None, "char_link": None, "nodes": nodes}
     report.devices.append(row)
-    if companions:
-        report.add("device", dev.resource, PROBLEM, "; ".join(f"companion {n['host_path']}: {n['state']}" for n in companions))
-    elif healthy:
-        report.add("device", dev.resource, OK, f"{row['host_path']}: {len(healthy)} unit{'s' if len(healthy) != 1 else ''}")
-    else:
-        report.add("device", dev.resource, PROBLEM, f"{row['host_path']}: no node can be served (none matches, or "
-                   "every match is refused)" if not units else f"{row['host_path']}: no unit can be served")
+    for n in companions:
+        report.add("device", dev.resource, PROBLEM, f"companion {n['host_path']}: {n['state']}")
+    if healthy:
+        report.add("device", dev.resource, OK, f"{row['host_path']}: {_n(len(healthy), 'unit')}")
+    elif not units:
+        report.add("device", dev.resource, PROBLEM,
+                   f"{row['host_path']}: no node can be served (none matches, or every match is refused)")
+    elif not companions:
+        report.add("device", dev.resource, PROBLEM, f"{row['host_path']}: no unit can be served")
 
 
 def node_rows(cfg: Config, dev: Device) -> List[dict]:

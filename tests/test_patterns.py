@@ -350,3 +350,34 @@ NUMA = {"n0-a": (0,), "n0-b": (0,), "n1-a": (1,), "n1-b": (1,), "n1-c": (1,), "n
 def test_the_preferred_allocation_keeps_a_container_on_one_numa_node(must, size, expected):
     available = ["none", "n1-c", "n0-b", "n1-a", "n0-a", "n1-b"]  # kubelet's order is a map's
     assert patterns.preferred(available, must, size, lambda i: NUMA[i]) == expected
+
+
+@needs_root
+def test_check_lists_every_node_and_a_missing_companion_is_a_problem(tmp_path):
+    import json
+
+    dev = tmp_path / "dev"
+    vfio_nodes(dev, 12, 13)
+    os.unlink(dev / "vfio" / "vfio")
+    cfg = load(tmp_path, '[[device]]\nresource = "a.dev/v"\npath = "/dev/vfio/[0-9]*"\ncompanions = ["/dev/vfio/vfio"]\n'
+                         '[[device]]\nresource = "a.dev/kvm"\npath = "/dev/kvm"\ncompanions = ["/dev/vhost-net"]\n',
+               dev_root=dev)
+    mknod(dev, "kvm", 10, 232)
+
+    def doc():
+        out = io.StringIO()
+        check.run(cfg, out, unit=lambda: None, as_json=True)
+        return json.loads(out.getvalue())
+
+    found = doc()
+    vfio, kvm = found["devices"]
+    assert [(n["id"], n["role"], n["device_number"], n["present"]) for n in vfio["nodes"]] == [
+        ("vfio-12", "unit", "243:0", True), ("vfio-13", "unit", "243:1", True), (None, "companion", None, False)]
+    assert vfio["units"] == 0 and kvm["nodes"][1]["role"] == "companion" and not kvm["nodes"][1]["present"]
+    problems = {(f["subject"], f["message"]) for f in found["findings"] if f["status"] == "problem" and f["check"] == "device"}
+    assert problems == {("a.dev/v", f"companion {dev}/vfio/vfio: missing"), ("a.dev/kvm", f"companion {dev}/vhost-net: missing")}
+    mknod(dev, "vfio/vfio", 10, 196)
+    mknod(dev, "vhost-net", 10, 238)
+    found = doc()
+    assert found["devices"][0]["units"] == 2
+    assert not [f for f in found["findings"] if f["check"] == "device" and f["status"] != "ok"], found["findings"]
