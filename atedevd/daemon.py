@@ -48,7 +48,9 @@ class Resource:
         self.advertised = False  # once served, kept served (Unhealthy while the node is missing)
         self.present: Optional[bool] = None
         self.version = 0
-        self.table: Optional[devices.SharedTable] = None  # its nodes, as last looked at (made at the first look)
+        # Its nodes as last looked at, made at the first look: devices.table() (a SharedTable, or a
+        # patterns.ExclusiveTable for a pattern: look(), snapshot(), forget(), healthy, advertised).
+        self.table = None
 
     @property
     def name(self) -> str:

@@ -214,8 +214,10 @@ class Snapshot:
 
 # --- the loop's table of one resource ------------------------------------------------------
 
-def table(device: Device, dev_root: str, sys_root: str = policy.SYS_ROOT) -> "SharedTable":
-    """The loop's record of one resource's nodes: a pattern's units, or one shareable node."""
+def table(device: Device, dev_root: str, sys_root: str = policy.SYS_ROOT):
+    """The loop's record of one resource's nodes: one shareable node (`SharedTable`), or a
+    pattern's units (`patterns.ExclusiveTable`); both answer look(), snapshot(version),
+    forget(), listing(), `healthy` and `advertised`."""
     if device.pattern:
         from atedevd import patterns  # only where some device has a pattern: a start without pays nothing
 
