@@ -276,7 +276,7 @@ class ExclusiveTable:
     def snapshot(self, version: int) -> Snapshot:
         ok = self._companions.ok
         units = tuple(Unit(m.id, m.path, m.state == PRESENT and ok, m.numa) for m in self.units)
-        return Snapshot(self.device, bool(units) and any(u.healthy for u in units), version, units=units)
+        return Snapshot(self.device, any(u.healthy for u in units), version, units=units)
 
     def forget(self) -> None:
         """A reload: accept the nodes there now. A unit stays one while its node is there and
