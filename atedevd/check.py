@@ -14,10 +14,8 @@ and how to make it so; that does not change the exit status, as root pods need
 nothing.
 """
 
-import grp
 import json
 import os
-import pwd
 import shutil
 import socket
 import stat
@@ -27,6 +25,8 @@ from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from atedevd import config, metrics, sockets
 from atedevd.config import Config, ConfigError, Device
+from atedevd.trust import group_name as _group
+from atedevd.trust import user_name as _user
 
 EX_READY = 0
 EX_NOT_READY = 1
@@ -96,7 +96,7 @@ def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]]) -> Report
     report = Report(cfg.source, cfg.dev_root, cfg.device_plugin_dir)
     for dev in cfg.devices:
         _check_device(cfg, dev, report)
-    for resource, status, line in host_access_findings(cfg):
+    for resource, status, line in host_access_findings(cfg) + pattern_findings(cfg):
         report.add("device-policy", resource, status, line)
     plugin_dir = cfg.device_plugin_dir
     report.add("plugin-dir", plugin_dir, OK, _dir_state(plugin_dir))  # missing: the daemon waits for it
@@ -120,11 +120,18 @@ def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]]) -> Report
 
 
 def _check_device(cfg: Config, dev: Device, report: Report) -> None:
+    if dev.pattern:
+        _check_pattern(cfg, dev, report)
+        return
     host = dev.host_path(cfg.dev_root)
     present, what, ok = device_state(host)
     row = {"resource": dev.resource, "path": dev.path, "host_path": host, "present": present == "yes",
            "type": what, "units": dev.count, "unit_ids": _units(dev), "device_number": None,
-           "uid": None, "gid": None, "owner": None, "mode": None, "non_root": None, "char_link": None}
+           "uid": None, "gid": None, "owner": None, "mode": None, "non_root": None, "char_link": None,
+           "nodes": node_rows(cfg, dev)}
+    for n in row["nodes"]:
+        if n["role"] == "companion" and n["state"] != "ok":  # no unit is Healthy without it
+            report.add("device", dev.resource, PROBLEM, f"companion {n['host_path']}: {n['state']}")
     report.devices.append(row)
     report.add("device", dev.resource, OK if ok else PROBLEM, f"{host}: {what}")
     if not ok:
@@ -140,7 +147,56 @@ def _check_device(cfg: Config, dev: Device, report: Report) -> None:
                f"a non-root container can open {host}: {row['non_root']}",
                None if row["non_root"] == "yes" else
                "device_ownership_from_security_context = true in the container runtime (containerd, CRI-O), "
-               f"or make the node 0660 root:kvm and give the pod supplementalGroups: [<its gid>]")
+               "or make the node 0660 root:kvm and give the pod supplementalGroups: [<its gid>]")
+
+
+def _check_pattern(cfg: Config, dev: Device, report: Report) -> None:
+    """A pattern's units, one per matching node: ready when at least one can be served."""
+    nodes = node_rows(cfg, dev)
+    units = [n for n in nodes if n["role"] == "unit"]
+    companions = [n for n in nodes if n["role"] == "companion" and n["state"] != "ok"]  # no unit is Healthy without them
+    healthy = [n for n in units if n["state"] == "ok" and not companions]
+    matched = sum(1 for n in nodes if n["role"] != "companion")
+    ids = ", ".join(n["id"] for n in healthy[:4]) + (f", ... ({len(healthy)})" if len(healthy) > 4 else "")
+    row = {"resource": dev.resource, "path": dev.path, "host_path": dev.host_path(cfg.dev_root), "present": bool(units),
+           "type": f"pattern: {_n(matched, 'node')} match{'es' if matched == 1 else ''}, {_n(len(units), 'unit')}",
+           "units": len(healthy),
+           "unit_ids": f"{len(healthy)} ({ids})" if healthy else "0", "device_number": None, "uid": None, "gid": None,
+           "owner": None, "mode": None, "non_root": None, "char_link": None, "nodes": nodes}
+    report.devices.append(row)
+    for n in companions:
+        report.add("device", dev.resource, PROBLEM, f"companion {n['host_path']}: {n['state']}")
+    if healthy:
+        report.add("device", dev.resource, OK, f"{row['host_path']}: {_n(len(healthy), 'unit')}")
+    elif not units:
+        report.add("device", dev.resource, PROBLEM,
+                   f"{row['host_path']}: no node can be served (none matches, or every match is refused)")
+    elif not companions:
+        report.add("device", dev.resource, PROBLEM, f"{row['host_path']}: no unit can be served")
+
+
+def node_rows(cfg: Config, dev: Device) -> List[dict]:
+    """Every node the device reaches (a pattern's matches, its node, its companions), judged
+    as the daemon judges them at its start: ID, major:minor, NUMA node, present, allowed."""
+    from atedevd import devices
+
+    table = devices.table(dev, cfg.dev_root, cfg.sys_root)
+    table.look()  # what it would log is what these rows say
+    return [dict(row._asdict(), numa=list(row.numa), pci=list(row.pci)) for row in table.listing()]
+
+
+def pattern_findings(cfg: Config) -> List[Tuple[str, str, str]]:
+    """(resource, status, line) per node a pattern matches but will not serve: refused by the
+    device policy, or the same node as another unit. Said, never a problem: the others are served."""
+    out = []
+    for dev in cfg.devices:
+        if not dev.pattern:
+            continue
+        for n in node_rows(cfg, dev):
+            if n["role"] == "match" and n["present"]:
+                out.append((dev.resource, WARNING, f"WARNING: {dev.resource}: {dev.path} matches {n['host_path']} "
+                            f"({n['device_number']}), not advertised: {n['state']}"))
+    return out
 
 
 def render_text(report: Report, out: TextIO) -> None:
@@ -148,9 +204,10 @@ def render_text(report: Report, out: TextIO) -> None:
     out.write(f"config: {report.config or 'built-in defaults'}\ndev root: {report.dev_root}\n\n")
     rows = [("RESOURCE", "PATH", "HOST PATH", "PRESENT", "TYPE", "UNITS")]
     for d in report.devices:
-        present = "yes" if d["present"] else ("no" if d["type"] == "missing" else "?")
+        present = "yes" if d["present"] else ("no" if d["type"] == "missing" or d["type"].startswith("pattern") else "?")
         rows.append((d["resource"], d["path"], d["host_path"], present, d["type"], d["unit_ids"]))
     out.write(_table(rows) + "\n\n")
+    _render_nodes(report, out)
     _render_non_root(report, out)
     _render_host_access([f.message for f in report.findings if f.check == "device-policy"], out)
     by_check = {f.check: f for f in report.findings if f.check in ("plugin-dir", "sandbox", "kubelet-socket")}
@@ -186,6 +243,22 @@ def render_text(report: Report, out: TextIO) -> None:
         return
     names = ", ".join(d["resource"] for d in report.devices)
     out.write(f"READY: this node can serve {names}\n")
+
+
+def _render_nodes(report: Report, out: TextIO) -> None:
+    """Per pattern resource (or a device with companions): every node it reaches."""
+    for d in report.devices:
+        nodes = d["nodes"]
+        if not any(n["role"] in ("unit", "match", "companion") for n in nodes):
+            continue
+        rows = [("ID", "PATH", "MAJ:MIN", "NUMA", "PCI", "PRESENT", "ALLOWED", "STATE")]
+        for n in nodes:
+            rows.append((n["id"] or ("(companion)" if n["role"] == "companion" else "-"), n["path"],
+                         n["device_number"] or "-", ",".join(map(str, n["numa"])) or "-", ",".join(n["pci"]) or "-",
+                         "yes" if n["present"] else "no", "yes" if n["allowed"] else "no", n["state"]))
+        if len(rows) == 1:
+            rows.append(("-", "(no node matches)", "-", "-", "-", "-", "-", "-"))
+        out.write(f"{d['resource']} ({d['path']}):\n{_table(rows)}\n\n")
 
 
 def _problem_text(f: Finding) -> str:
@@ -277,8 +350,12 @@ def host_access_findings(cfg: Config) -> List[Tuple[str, str, str]]:
     for dev in cfg.devices:
         if not dev.allow_host_access:
             continue
+        if dev.pattern:
+            out.append((dev.resource, WARNING, f"WARNING: {dev.resource}: allow_host_access = true: every node {dev.path} "
+                        "matches is granted, even one that gives pods the host"))
+            continue
         try:
-            found = policy.refusal(dev.host_path(cfg.dev_root))
+            found = policy.refusal(dev.host_path(cfg.dev_root), cfg.sys_root)
         except OSError:
             out.append((dev.resource, WARNING, f"WARNING: {dev.resource}: allow_host_access = true and {dev.path} is not there: "
                         "whatever node appears there is granted, even one that gives pods the host"))
@@ -294,7 +371,7 @@ def host_access_findings(cfg: Config) -> List[Tuple[str, str, str]]:
 
 
 def _host_access(cfg: Config, out: TextIO) -> None:
-    _render_host_access([line for _, _, line in host_access_findings(cfg)], out)
+    _render_host_access([line for _, _, line in host_access_findings(cfg) + pattern_findings(cfg)], out)
 
 
 def _render_host_access(lines: List[str], out: TextIO) -> None:
@@ -374,20 +451,6 @@ def char_link_state(dev_root: str, host_path: str, st: os.stat_result) -> Tuple[
     if not stat.S_ISCHR(lst.st_mode) or lst.st_rdev != st.st_rdev:
         return False, f"{link} does not lead to {host_path}", f"ln -sfn {target} {link}"
     return True, f"{link} present", None
-
-
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-def _group(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
 
 
 # --- the plugin directory in atedevd.service's sandbox ------------------------------
@@ -487,7 +550,7 @@ def _kubelet_view(cfg: Config, report: Report) -> None:
         return
     view = report.kubelet_view["counts"] = {}
     for dev, row in zip(cfg.devices, report.devices):
-        ours = dev.count if row["present"] and row["device_number"] is not None else 0
+        ours = row["units"] if dev.pattern else dev.count if row["present"] and row["device_number"] is not None else 0
         theirs = counts.get(dev.resource, 0)
         view[dev.resource] = {"ours": ours, "kubelet": theirs}
         if theirs == ours:
@@ -510,6 +573,10 @@ def _dir_state(path: str) -> str:
 
 def _units(dev: Device) -> str:
     return f"{dev.count} ({dev.unit_id(0)}..{dev.unit_id(dev.count - 1)})" if dev.count > 1 else f"1 ({dev.unit_id(0)})"
+
+
+def _n(n: int, what: str) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
 
 
 def _table(rows: Sequence[Sequence[str]]) -> str:

@@ -18,7 +18,7 @@ EX_RUNTIME = 1
 
 
 # What `run` takes, each option with one value (_run_args reads exactly these).
-RUN_OPTIONS = ("--config", "--device-plugin-dir", "--dev-root", "--log-level", "--metrics-dir")
+RUN_OPTIONS = ("--config", "--device-plugin-dir", "--dev-root", "--sys-root", "--log-level", "--metrics-dir")
 
 
 def _parser():
@@ -38,6 +38,7 @@ def _parser():
     for s in (run, check):
         s.add_argument("--device-plugin-dir", metavar="DIR", help="kubelet's device plugin directory")
         s.add_argument("--dev-root", metavar="DIR", help="where the node's device nodes are looked up")
+        s.add_argument("--sys-root", metavar="DIR", help="where the kernel's sysfs is read (the device policy, NUMA nodes)")
     check.add_argument("--json", action="store_true", help="the findings as a JSON document (schema atedevd-check/v1)")
     run.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning or error")
     run.add_argument("--metrics-dir", metavar="DIR",
@@ -77,6 +78,7 @@ def _load(args) -> config.Config:
     overrides = {
         "device_plugin_dir": getattr(args, "device_plugin_dir", None),
         "dev_root": getattr(args, "dev_root", None),
+        "sys_root": getattr(args, "sys_root", None),
         "log_level": getattr(args, "log_level", None),
         "metrics_dir": getattr(args, "metrics_dir", None),
     }
@@ -120,7 +122,8 @@ def _run(args, cfg: config.Config) -> int:
         logging.getLogger("atedevd").error("not starting: %s", e)
         return EX_RUNTIME
     overrides = {k: v for k, v in (("device_plugin_dir", args.device_plugin_dir), ("dev_root", args.dev_root),
-                                   ("log_level", args.log_level), ("metrics_dir", args.metrics_dir)) if v is not None}
+                                   ("sys_root", args.sys_root), ("log_level", args.log_level),
+                                   ("metrics_dir", args.metrics_dir)) if v is not None}
     code = EX_RUNTIME
     try:
         code = Daemon(cfg, args.config or config.DEFAULT_CONFIG_PATH, args.config is not None, overrides).run()

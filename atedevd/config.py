@@ -26,7 +26,7 @@ import stat
 import sys
 from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
 
-from atedevd import policy, sockets
+from atedevd import policy, sockets, trust
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,12 +40,21 @@ MAX_FILE_BYTES = 1 << 20
 MIN_COUNT, MAX_COUNT = 1, 65536
 MAX_DEVICE_ID = 63  # kubelet's limit on a device ID
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DAEMON_KEYS = ("device_plugin_dir", "dev_root", "log_level", "metrics_dir")
-DEVICE_KEYS = ("resource", "path", "count", "permissions", "allow_host_access")
+DAEMON_KEYS = ("device_plugin_dir", "dev_root", "sys_root", "log_level", "metrics_dir")
+DEVICE_KEYS = ("resource", "path", "count", "permissions", "allow_host_access", "companions")
+MAX_COMPANIONS = 8
+_GLOB = "*?["  # a path with one of these is a pattern: one exclusive unit per matching node
+
+
+def is_pattern(path: str) -> bool:
+    """`/dev/ttyUSB*`, `/dev/vfio/[0-9]*`: a path that stands for every node it matches."""
+    return any(c in path for c in _GLOB)
 
 
 class Device(NamedTuple):
-    """One device node advertised as `count` shareable units of `resource`."""
+    """One device node advertised as `count` shareable units of `resource`; or, when
+    `path` is a pattern, every node it matches, each one unit handed to one container.
+    `companions` are nodes every unit brings along (VFIO: /dev/vfio/vfio)."""
 
     resource: str
     path: str
@@ -54,18 +63,28 @@ class Device(NamedTuple):
     # Grant it even if the device policy (policy.py) refuses the node: an
     # operator who means it, warned at every start and by `atedevd check`.
     allow_host_access: bool = False
+    companions: Tuple[str, ...] = ()
+
+    @property
+    def pattern(self) -> bool:
+        return is_pattern(self.path)
 
     def host_path(self, dev_root: str = "/dev") -> str:
-        """Where this node is looked up: `/dev/net/tun` -> `<dev_root>/net/tun`.
-
-        `path` is what kubelet and the container see; `dev_root` lets the daemon
-        (and tests) look at another tree without changing what pods get.
-        """
-        return os.path.join(dev_root, os.path.relpath(self.path, "/dev"))
+        """Where this node is looked up: `/dev/net/tun` -> `<dev_root>/net/tun`."""
+        return host_path(self.path, dev_root)
 
     def unit_id(self, n: int) -> str:
         """Device ID of unit `n`: `<basename>-<n>`, e.g. `kvm-0`."""
         return f"{os.path.basename(self.path)}-{n}"
+
+
+def host_path(path: str, dev_root: str = "/dev") -> str:
+    """Where a node pods see as `path` is looked up on this host.
+
+    `path` is what kubelet and the container see; `dev_root` lets the daemon
+    (and tests) look at another tree without changing what pods get.
+    """
+    return os.path.join(dev_root, os.path.relpath(path, "/dev"))
 
 
 DEFAULT_DEVICES = (Device("ate.dev/kvm", "/dev/kvm"),)
@@ -77,6 +96,7 @@ MAX_DEVICES = 32
 class Config(NamedTuple):
     device_plugin_dir: str = "/var/lib/kubelet/device-plugins"
     dev_root: str = "/dev"
+    sys_root: str = "/sys"  # where the kernel's account of a node is read (the policy, NUMA nodes)
     log_level: str = "info"
     metrics_dir: Optional[str] = None  # node_exporter's textfile directory; None: the default, "": off
     devices: Tuple[Device, ...] = DEFAULT_DEVICES
@@ -141,11 +161,15 @@ def _read(path: str, required: bool, report: _Report) -> Optional[str]:
         report.add(f"cannot read: {getattr(e, 'strerror', None) or e}")
         return None
     try:
-        mode = os.fstat(fd).st_mode
+        st = os.fstat(fd)
+        mode = st.st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
             report.add(f"cannot read: not a regular file ({file_type(mode)})")
             return None
+        # It decides which host devices pods reach: only root may be able to change it.
+        for problem in trust.problems(path, st):
+            report.add(f"not trusted: {problem}")
         with os.fdopen(fd, "rb") as f:
             raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
@@ -420,9 +444,14 @@ def _build_devices(value, lines: _Lines, report: _Report) -> Tuple[Device, ...]:
                 report.add(f'{where}: missing required key "{key}"', lines.of("device", i))
                 ok = False
         if ok:
-            dev = Device(**table)
+            dev = Device(**{**table, "companions": tuple(table.get("companions", ()))})
             longest = dev.unit_id(dev.count - 1)
-            if len(longest) > MAX_DEVICE_ID:
+            if dev.pattern and "count" in table:
+                report.add(f"{where} count: a pattern path is one unit per matching node, each handed to one "
+                           "container; remove count (a single path gives shareable units)", lines.of("device", i, "count"))
+            elif dev.path in dev.companions:
+                report.add(f"{where} companions: {_q(dev.path)} is the device's own path", lines.of("device", i, "companions"))
+            elif not dev.pattern and len(longest) > MAX_DEVICE_ID:
                 line = lines.of("device", i, "count") or lines.of("device", i, "path")
                 report.add(f"{where}: unit ID {_q(longest)} is longer than {MAX_DEVICE_ID} characters; "
                            "use a shorter path basename or a smaller count", line)
@@ -472,6 +501,25 @@ def _check_path(v) -> Optional[str]:
     norm = os.path.normpath(v)
     if norm != v:
         return f"{_q(v)} is not normalised; did you mean {_q(norm)}?"
+    if is_pattern(os.path.dirname(v)):
+        return (f"{_q(v)}: a pattern may only be in the last part of the path (one directory is watched), "
+                'e.g. "/dev/vfio/[0-9]*"')
+    return None
+
+
+def _check_companions(v) -> Optional[str]:
+    if not isinstance(v, list):
+        return f"must be an array of paths, got {_type_name(v)}"
+    if len(v) > MAX_COMPANIONS:
+        return f"at most {MAX_COMPANIONS} paths, got {len(v)}"
+    for item in v:
+        problem = _check_path(item)
+        if problem:
+            return problem
+        if is_pattern(item):
+            return f"{_q(item)}: a companion is one node, not a pattern"
+    if len(set(v)) != len(v):
+        return "lists a path twice"
     return None
 
 
@@ -499,7 +547,7 @@ def _check_bool(v) -> Optional[str]:
 
 _DEVICE_CHECKS = {"resource": _check_resource, "path": _check_path,
                   "count": _check_count, "permissions": _check_permissions,
-                  "allow_host_access": _check_bool}
+                  "allow_host_access": _check_bool, "companions": _check_companions}
 
 
 def _check_socket_names(cfg: Config, report: _Report) -> None:
@@ -509,20 +557,63 @@ def _check_socket_names(cfg: Config, report: _Report) -> None:
 
 
 def _check_policy(cfg: Config, lines: Optional[_Lines], report: _Report) -> None:
-    """Refuse a device whose node gives a container the host (policy.py), unless
-    its table opts in. A node absent now cannot be judged: the daemon judges it
-    when it appears."""
+    """Refuse a device whose node (or a companion) gives a container the host (policy.py),
+    unless its table opts in. A node absent now cannot be judged: the daemon judges it
+    when it appears. What a pattern matches is judged node by node and a refused match
+    is left out (the daemon and `check` name it), not an error."""
     for i, dev in enumerate(cfg.devices):
-        try:
-            found = policy.refusal(dev.host_path(cfg.dev_root))
-        except OSError:
-            continue  # absent or unreadable: judged when the daemon finds it
-        if policy.refused(found, dev.allow_host_access):
-            if cfg.devices is DEFAULT_DEVICES:
-                where, line = "the built-in device", None
-            else:
-                where, line = f"[[device]] #{i + 1} path", lines.of("device", i, "path") if lines else None
-            report.add(f"{where}: {_q(dev.path)} ({dev.resource}): {policy.refusal_text(found)}", line)
+        keys = ([] if dev.pattern else [("path", dev.path)]) + [("companions", c) for c in dev.companions]
+        for key, path in keys:
+            try:
+                found = policy.refusal(host_path(path, cfg.dev_root), cfg.sys_root)
+            except OSError:
+                continue  # absent or unreadable: judged when the daemon finds it
+            if policy.refused(found, dev.allow_host_access):
+                if cfg.devices is DEFAULT_DEVICES:
+                    where, line = "the built-in device", None
+                else:
+                    where, line = f"[[device]] #{i + 1} {key}", lines.of("device", i, key) if lines else None
+                report.add(f"{where}: {_q(path)} ({dev.resource}): {policy.refusal_text(found)}", line)
+    if any(dev.pattern for dev in cfg.devices):
+        _check_exclusive(cfg, lines, report)
+
+
+def _check_exclusive(cfg: Config, lines: Optional[_Lines], report: _Report) -> None:
+    """A node a pattern hands to one container at a time must be no other device's: not
+    another table's path, companion or match (judged on the nodes there now, by number,
+    every symlink followed)."""
+    from atedevd import patterns
+
+    reach: Dict[int, List[Tuple[int, str]]] = {}  # st_rdev -> (table index, path) of every way to it
+    for i, dev in enumerate(cfg.devices):
+        paths = list(dev.companions)
+        if dev.pattern:
+            found = patterns.Pattern(dev.path, cfg.dev_root)
+            paths += [found.path_of(n) for n in found.names() if found.path_of(n) not in dev.companions]
+        else:
+            paths.append(dev.path)
+        for path in paths:
+            try:
+                st = os.stat(host_path(path, cfg.dev_root))
+            except OSError:
+                continue
+            if stat.S_ISCHR(st.st_mode):
+                reach.setdefault(st.st_rdev, []).append((i, path))
+    said = set()
+    for i, dev in enumerate(cfg.devices):
+        if not dev.pattern:
+            continue
+        for rdev, ways in reach.items():
+            mine = [p for j, p in ways if j == i and p not in dev.companions]
+            others = [(j, p) for j, p in ways if j != i]
+            if not mine or not others or (i, mine[0]) in said:
+                continue
+            said.add((i, mine[0]))
+            j, other = others[0]
+            line = lines.of("device", i, "path") if lines else None
+            report.add(f"[[device]] #{i + 1} path: {_q(dev.path)} matches {mine[0]} (char {os.major(rdev)}:"
+                       f"{os.minor(rdev)}), which [[device]] #{j + 1} ({cfg.devices[j].resource}) grants too as "
+                       f"{other}: a node handed to one container at a time must be no other device's", line)
 
 
 def _apply_overrides(cfg: Config, overrides: Mapping[str, Optional[str]], report: _Report) -> Config:

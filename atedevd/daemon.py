@@ -19,7 +19,7 @@ import signal
 import time
 from typing import Callable, List, Optional, Tuple
 
-from atedevd import metrics, sockets
+from atedevd import devices, metrics, sockets
 from atedevd.config import Config, ConfigError, load
 from atedevd.host import Host
 from atedevd.kubelet import warm_up
@@ -55,7 +55,7 @@ class Daemon:
         self.metrics = metrics.TextfileWriter(metrics.resolve_dir(cfg.metrics_dir))
         self._run_id = sockets.new_run_id()
         self.host = Host(cfg.device_plugin_dir, self._workers, self._post)
-        self.node = Node(cfg.device_plugin_dir, cfg.dev_root, self.host, self._run_id, self._serve_failed)
+        self.node = Node(cfg.device_plugin_dir, cfg.dev_root, cfg.sys_root, self.host, self._run_id, self._serve_failed)
 
     # --- life cycle -----------------------------------------------------------
 
@@ -223,8 +223,8 @@ class Daemon:
         if not first:  # the first pass runs on the threads started in __init__; run() starts the rest
             self._workers.grow(len(cfg.devices))
         now = time.monotonic()
-        self.node.apply(cfg.devices, cfg.dev_root, now)
-        dirs = [self.cfg.device_plugin_dir] + [os.path.dirname(d.host_path(cfg.dev_root)) for d in cfg.devices]
+        self.node.apply(cfg.devices, cfg.dev_root, cfg.sys_root, now)
+        dirs = [self.cfg.device_plugin_dir] + [p for d in cfg.devices for p in devices.directories(d, cfg.dev_root)]
         self._watcher.want(dirs)
         if self.node.reconcile(now):
             self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
@@ -268,7 +268,8 @@ class Daemon:
 
     def _describe(self, r: Report, dir_ok: bool, now: float, wall: float) -> str:
         if not r.advertised:
-            return f"{r.device_path} missing, not advertised"
+            return f"no node matches {r.device_path}, not advertised" if r.pattern else \
+                f"{r.device_path} missing, not advertised"
         if not dir_ok:
             return f"waiting for {self.cfg.device_plugin_dir}"
         return describe(r, now, wall)

@@ -1,26 +1,35 @@
 """The device table of one resource: presence on the node, unit IDs, health snapshots.
 
-A device node is advertised as `count` shareable units. Presence is read from
-the node (a character device under the dev root, every symlink followed, as
-the container runtime follows them); what kubelet sees is an immutable
-`Snapshot`, so gRPC threads never share mutable state with the loop.
+A device node is advertised as `count` shareable units; a pattern path
+(`/dev/ttyUSB*`) as one unit per matching node, each handed to one container.
+Presence is read from the node (a character device under the dev root, every
+symlink followed, as the container runtime follows them); what kubelet sees is
+an immutable `Snapshot`, so gRPC threads never share mutable state with the loop.
+The loop owns one table per resource (`table()`): it looks at the nodes on every
+wake-up and says what changed.
 
 The node stays the node: `NodeWatch` remembers the major:minor first served
 and holds a node with other numbers at that path as not present (Unhealthy)
 until the first one is back or a reload accepts the new one. A container is
 given whatever the path resolves to when it is created, so a renumbered or
-swapped node would otherwise reach pods that were promised the first one.
+swapped node would otherwise reach pods that were promised the first one. A
+pattern's units keep that rule each, and numbers once served as one unit are
+that unit's while the daemon runs: a container keeps its device-cgroup rule by
+number, so another node given those numbers later (a VFIO group made anew, an
+adapter re-plugged) is not handed to a second pod until a reload.
 """
 
 import logging
 import os
 import stat
 import threading
-from typing import FrozenSet, NamedTuple, Optional, Tuple
+from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 from atedevd import policy
 from atedevd.api import pb
-from atedevd.config import Device, file_type
+from atedevd.config import Device, file_type, host_path
+
+log = logging.getLogger(__name__)
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -60,6 +69,7 @@ class Change(NamedTuple):
     level: int
     event: str
     message: str
+    device: Optional[str] = None  # the node it is about (ATEDEVD_DEVICE); None: the device's path
 
 
 class NodeWatch:
@@ -140,15 +150,18 @@ def unit_ids(device: Device) -> tuple:
 class Snapshot:
     """What ListAndWatch sends for one resource at one moment; never changed once made.
 
-    The message of `count` devices (1 ms for 1024) and the set of IDs are made when
-    first needed, on whichever thread needs them first: a start's first Register does
-    not wait for them, kubelet asks for them only after it."""
+    Shareable units (`units` is None when made): the message of `count` devices (1 ms
+    for 1024) and the set of IDs are made when first needed, on whichever thread needs
+    them first: a start's first Register does not wait for them, kubelet asks for them
+    only after it. A pattern resource's units are given, each with its own health and
+    NUMA nodes. `healthy`: at least one unit is Healthy."""
 
-    __slots__ = ("version", "healthy", "_device", "_ids", "_response", "_lock")
+    __slots__ = ("version", "healthy", "by_id", "_device", "_ids", "_response", "_lock")
 
-    def __init__(self, device: Device, healthy: bool, version: int, _built=None) -> None:
+    def __init__(self, device: Device, healthy: bool, version: int, _built=None, units: Optional[tuple] = None) -> None:
         self.version = version
-        self.healthy = healthy
+        self.by_id: Optional[dict] = None if units is None else {u.id: u for u in units}  # ID -> patterns.Unit
+        self.healthy = healthy if units is None else any(u.healthy for u in units)
         self._device = device
         self._ids, self._response = _built or (None, None)
         self._lock = threading.Lock()
@@ -161,18 +174,142 @@ class Snapshot:
     def response(self) -> pb.ListAndWatchResponse:
         return self._made()[1]
 
+    @property
+    def units(self) -> int:
+        """How many units kubelet is told of."""
+        return self._device.count if self.by_id is None else len(self.by_id)
+
+    @property
+    def healthy_units(self) -> int:
+        """How many of them are Healthy: what kubelet should count as allocatable."""
+        if self.by_id is None:
+            return self._device.count if self.healthy else 0
+        return sum(u.healthy for u in self.by_id.values())
+
     def again(self) -> "Snapshot":
         """An equal snapshot that is not this one: a stream sends it as news."""
-        return Snapshot(self._device, self.healthy, self.version, (self._ids, self._response) if self._ids is not None else None)
+        units = None if self.by_id is None else tuple(self.by_id.values())
+        return Snapshot(self._device, self.healthy, self.version,
+                        (self._ids, self._response) if self._ids is not None else None, units)
 
     def _made(self) -> Tuple[FrozenSet[str], pb.ListAndWatchResponse]:
         with self._lock:
             if self._ids is None:
-                ids = unit_ids(self._device)
-                health = HEALTHY if self.healthy else UNHEALTHY
                 response = pb.ListAndWatchResponse()
                 add = response.devices.add  # half the time of a list of pb.Device
-                for i in ids:
-                    add(ID=i, health=health)
+                if self.by_id is None:
+                    ids = unit_ids(self._device)
+                    health = HEALTHY if self.healthy else UNHEALTHY
+                    for i in ids:
+                        add(ID=i, health=health)
+                else:
+                    ids = tuple(self.by_id)
+                    for u in self.by_id.values():
+                        d = add(ID=u.id, health=HEALTHY if u.healthy else UNHEALTHY)
+                        if u.numa:
+                            d.topology.nodes.extend(pb.NUMANode(ID=n) for n in u.numa)
                 self._ids, self._response = frozenset(ids), response
             return self._ids, self._response
+
+
+# --- the loop's table of one resource ------------------------------------------------------
+
+def table(device: Device, dev_root: str, sys_root: str = policy.SYS_ROOT):
+    """The loop's record of one resource's nodes: one shareable node (`SharedTable`), or a
+    pattern's units (`patterns.ExclusiveTable`); both answer look(), snapshot(version),
+    forget(), listing(), `healthy` and `advertised`."""
+    if device.pattern:
+        from atedevd import patterns  # only where some device has a pattern: a start without pays nothing
+
+        return patterns.ExclusiveTable(device, dev_root, sys_root)
+    return SharedTable(device, dev_root, sys_root)
+
+
+def directories(device: Device, dev_root: str) -> List[str]:
+    """The directories whose events can change what the resource serves (its nodes come and go there)."""
+    return list(dict.fromkeys(os.path.dirname(host_path(p, dev_root)) for p in (device.path, *device.companions)))
+
+
+class _Companions:
+    """The nodes every unit brings along (VFIO: /dev/vfio/vfio). Each is judged as a
+    device path is and keeps its first node; while one is not there, no unit is Healthy."""
+
+    def __init__(self, device: Device, dev_root: str, sys_root: str) -> None:
+        self._dev_root, self._sys_root = dev_root, sys_root
+        self._nodes = [(Device(device.resource, path, allow_host_access=device.allow_host_access), NodeWatch())
+                       for path in device.companions]
+        self._present: Dict[str, bool] = {}
+
+    @property
+    def ok(self) -> bool:
+        return all(self._present.get(d.path) for d, _ in self._nodes)
+
+    @property
+    def numbers(self) -> set:
+        """The companions' major:minor (a match with these is a companion, never a unit)."""
+        return {w.first for _, w in self._nodes if w.first is not None}
+
+    def look(self) -> Tuple[List[Change], bool]:
+        changes: List[Change] = []
+        before = self.ok
+        for dev, watch in self._nodes:
+            change = watch.look(dev, self._dev_root, True, self._sys_root)
+            if change is not None:
+                changes.append(change._replace(message="companion " + change.message, device=dev.path))
+                self._present[dev.path] = change.present
+        return changes, self.ok != before
+
+    def forget(self) -> None:
+        for _, watch in self._nodes:
+            watch.forget()
+
+    def listing(self) -> list:
+        from atedevd.patterns import row
+
+        return [row(dev, self._dev_root, self._sys_root, "companion") for dev, _ in self._nodes]
+
+
+class SharedTable:
+    """One node advertised as `count` interchangeable units (the default, `/dev/kvm`)."""
+
+    def __init__(self, device: Device, dev_root: str, sys_root: str = policy.SYS_ROOT) -> None:
+        self.device, self._dev_root, self._sys_root = device, dev_root, sys_root
+        self._node = NodeWatch()
+        self._present: Optional[bool] = None
+        self._companions = _Companions(device, dev_root, sys_root) if device.companions else None
+        self.advertised = False  # once its node was present; then kept served (Unhealthy while missing)
+        self.healthy = False
+
+    def look(self) -> Tuple[List[Change], bool]:
+        """What to tell the journal since the last look, and whether what kubelet is sent changed."""
+        changes: List[Change] = []
+        change = self._node.look(self.device, self._dev_root, self.advertised, self._sys_root)
+        if change is not None:
+            changes.append(change)
+            self._present = change.present
+            self.advertised |= change.present
+        if self._companions is not None:
+            more, _ = self._companions.look()
+            changes += more
+        healthy = bool(self._present) and (self._companions is None or self._companions.ok)
+        changed, self._first = self._first or healthy != self.healthy, False  # the first look is news
+        self.healthy = healthy
+        return changes, changed
+
+    _first = True
+
+    def snapshot(self, version: int) -> Snapshot:
+        return Snapshot(self.device, self.healthy, version)
+
+    def forget(self) -> None:
+        """A reload: the nodes there now are accepted (the configuration check has judged them)."""
+        self._node.forget()
+        if self._companions is not None:
+            self._companions.forget()
+
+    def listing(self) -> list:
+        """The device's node and its companions, for `atedevd check` (patterns.NodeRow)."""
+        from atedevd.patterns import row
+
+        rows = [row(self.device, self._dev_root, self._sys_root, "node")]
+        return rows + (self._companions.listing() if self._companions else [])

@@ -110,6 +110,7 @@ def render(info: DaemonInfo, reports: Iterable[Report], polling: bool, reload_ok
     state = family("atedevd_resource_state", "gauge", "The resource's registration state: 1 for the current state, 0 for the others.")
     advertised = family("atedevd_resource_units_advertised", "gauge", "Units of the resource atedevd lists to kubelet (0 while nothing is served).")
     healthy = family("atedevd_resource_units_healthy", "gauge", "Units of the resource atedevd lists to kubelet as Healthy.")
+    by_health = family("atedevd_resource_units", "gauge", "Units of the resource atedevd lists to kubelet, by health (a pattern's units each have their own).")
     kubelet = family("atedevd_resource_kubelet_allocatable_units", "gauge", "Units of the resource kubelet's pod-resources API last listed as allocatable (absent until asked, or where kubelet has no pod-resources API).")
     changed = family("atedevd_resource_state_change_timestamp_seconds", "gauge", "When the resource's registration state last changed, in seconds since the epoch.")
     regs = family("atedevd_resource_registrations_total", "counter", "Registrations kubelet accepted and verified (the first one and every re-registration).")
@@ -123,6 +124,8 @@ def render(info: DaemonInfo, reports: Iterable[Report], polling: bool, reload_ok
             state.add(1 if s is r.state else 0, resource=name, state=s.value)
         advertised.add(r.units, resource=name)
         healthy.add(r.healthy_units, resource=name)
+        by_health.add(r.healthy_units, resource=name, health="healthy")
+        by_health.add(r.units - r.healthy_units, resource=name, health="unhealthy")
         if r.kubelet_count is not None:
             kubelet.add(r.kubelet_count, resource=name)
         changed.add(round(r.changed_at + wall_offset, 3), resource=name)

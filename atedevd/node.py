@@ -54,9 +54,9 @@ def interpret(events: Iterable, plugin_dir: str, resources: Iterable[str]) -> Di
 
 
 class Node:
-    def __init__(self, plugin_dir: str, dev_root: str, host, run_id: str, serve_failed) -> None:
+    def __init__(self, plugin_dir: str, dev_root: str, sys_root: str, host, run_id: str, serve_failed) -> None:
         self.plugin_dir = plugin_dir
-        self.dev_root = dev_root
+        self.dev_root, self.sys_root = dev_root, sys_root  # where nodes are looked up, and the kernel's account of them
         self.host = host
         self.run_id = run_id
         self.serve_failed = serve_failed  # (path, OSError) -> True when the daemon stops because of it
@@ -67,11 +67,11 @@ class Node:
 
     # --- configuration -------------------------------------------------------------------------
 
-    def apply(self, devices: Sequence[Device], dev_root: str, now: float) -> None:
-        """Adopt these devices: added start, removed stop, changed register anew (handing
-        over their old socket), unchanged are not touched."""
-        moved = dev_root != self.dev_root
-        self.dev_root = dev_root
+    def apply(self, devices: Sequence[Device], dev_root: str, sys_root: str, now: float) -> None:
+        """Adopt these devices: added start, removed stop, changed are told (they go out on
+        the open stream, or register anew), unchanged are not touched."""
+        moved = (dev_root, sys_root) != (self.dev_root, self.sys_root)
+        self.dev_root, self.sys_root = dev_root, sys_root
         wanted = {d.resource: d for d in devices}
         for name in list(self.resources):
             r = self.resources[name]
@@ -81,13 +81,13 @@ class Node:
                 self.host.say(INFO, "resource-removed", f"{name}: no longer configured; stopped serving it", resource=name)
             elif wanted[name] != r.device or moved:
                 d = wanted[name]
-                how = "registering it anew" if r.reconfigure(d, dev_root, now) else \
-                    f"{d.count} units of {d.path} ({d.permissions}) go to kubelet on the open stream"
+                how = "registering it anew" if r.reconfigure(d, dev_root, sys_root, now) else \
+                    f"{r.snapshot.units} units of {d.path} ({d.permissions}) go to kubelet on the open stream"
                 self.host.say(INFO, "resource-changed", f"{name}: configuration changed; {how}", resource=name)
         for name, device in wanted.items():
             if name not in self.resources:
-                self.resources[name] = Resource(device, dev_root, self.host, self.pod_resources, self.run_id,
-                                                self.serve_failed)
+                self.resources[name] = Resource(device, dev_root, sys_root, self.host, self.pod_resources,
+                                                self.run_id, self.serve_failed)
 
     def accept_nodes(self) -> None:
         """A reload checked the configuration: the nodes there now are the devices'."""
@@ -138,7 +138,7 @@ class Node:
         began = False
         dir_ok = self.host.isdir(self.plugin_dir)
         for r in self.resources.values():
-            r.look_at_device(self.dev_root)
+            r.look_at_device()
             if not dir_ok:
                 r.unserve(now, "the plugin directory is gone")
             elif r.advertised:

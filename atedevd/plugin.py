@@ -38,8 +38,10 @@ _NAMED_IDS = 3
 
 def plugin_options(device: Device) -> pb.DevicePluginOptions:
     """What GetDevicePluginOptions answers for `device`: kubelet reads it inside Register,
-    so a change to it needs a new registration (nothing else a reload changes does)."""
-    return pb.DevicePluginOptions()
+    so a change to it needs a new registration (nothing else a reload changes does). Units
+    of a pattern are not interchangeable (one node each, on its NUMA node): kubelet asks
+    which to give when we say so. Shareable units are all one node: nothing to prefer."""
+    return pb.DevicePluginOptions(get_preferred_allocation_available=device.pattern)
 
 
 class StreamEvent(enum.Enum):
@@ -160,6 +162,8 @@ class PluginServer:
         self._spec = pb.DeviceSpec(
             container_path=device.path, host_path=device.path, permissions=device.permissions
         )
+        # Nodes every unit brings along (VFIO: /dev/vfio/vfio), in every answer.
+        self._companions = _companion_specs(device)
 
     # --- control loop side ---------------------------------------------------
 
@@ -213,9 +217,10 @@ class PluginServer:
             return False
 
     def retarget(self, device: Device) -> None:
-        """A reload changed what Allocate answers (the path, the permissions): the next
-        Allocate answers with it, on the same socket, for the same registration."""
+        """A reload changed what Allocate answers (the path, the permissions, the companions):
+        the next Allocate answers with it, on the same socket, for the same registration."""
         self._spec = pb.DeviceSpec(container_path=device.path, host_path=device.path, permissions=device.permissions)
+        self._companions = _companion_specs(device)
         self.device = device
 
     def publish(self, snapshot: Snapshot) -> None:
@@ -294,26 +299,39 @@ class PluginServer:
             problem = self._check_ids(creq.devices_ids, snap)
             if problem:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"container request {n}: {problem}")
-            if not snap.healthy:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{self.device.resource}: {self.device.path} is not present on this node",
-                )
-            # Any number of units of one device still mean one device node.
-            resp.container_responses.add().devices.append(self._spec)
+            if snap.by_id is None:
+                if not snap.healthy:
+                    missing = " (or a companion node is missing)" if self._companions else ""
+                    context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{self.device.resource}: {self.device.path} is not present on this node{missing}",
+                    )
+                # Any number of units of one device still mean one device node.
+                specs = [self._spec]
+            else:  # one node per unit
+                units = [snap.by_id[i] for i in dict.fromkeys(creq.devices_ids)]
+                down = [u for u in units if not u.healthy]
+                if down:
+                    named = ", ".join(f"{_quote(u.id)} ({u.path})" for u in down[:_NAMED_IDS])
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"container request {n}: {self.device.resource}: unit {named} is not healthy on this node")
+                perm = self.device.permissions
+                specs = [pb.DeviceSpec(container_path=u.path, host_path=u.path, permissions=perm) for u in units]
+            resp.container_responses.add().devices.extend(specs + self._companions)
         return resp
 
     def GetPreferredAllocation(self, request, context):
-        # Not advertised (units are interchangeable); answer sensibly anyway.
+        """Advertised for pattern resources: units on one NUMA node where one can give them all
+        (kubelet's Topology Manager aligns by the same information, when its policy asks)."""
+        from atedevd.patterns import preferred  # loaded where some device has a pattern
+
+        snap = self._snapshot
+        by_id = snap.by_id if snap is not None and snap.by_id is not None else {}
+        numa = lambda i: by_id[i].numa if i in by_id else ()  # noqa: E731
         resp = pb.PreferredAllocationResponse()
         for creq in request.container_requests:
-            chosen = list(dict.fromkeys(creq.must_include_deviceIDs))
-            for i in creq.available_deviceIDs:
-                if len(chosen) >= creq.allocation_size:
-                    break
-                if i not in chosen:
-                    chosen.append(i)
-            resp.container_responses.add().deviceIDs.extend(chosen[: max(creq.allocation_size, 0)])
+            chosen = preferred(creq.available_deviceIDs, creq.must_include_deviceIDs, creq.allocation_size, numa)
+            resp.container_responses.add().deviceIDs.extend(chosen)
         return resp
 
     def PreStartContainer(self, request, context):
@@ -332,6 +350,10 @@ class PluginServer:
         named = ", ".join(_quote(i) for i in unknown[:_NAMED_IDS])
         more = f" and {len(unknown) - _NAMED_IDS} more" if len(unknown) > _NAMED_IDS else ""
         return f"unknown device ID {named}{more} for {self.device.resource}"
+
+
+def _companion_specs(device: Device) -> list:
+    return [pb.DeviceSpec(container_path=p, host_path=p, permissions=device.permissions) for p in device.companions]
 
 
 def _quote(device_id: str, limit: int = 80) -> str:

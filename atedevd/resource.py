@@ -1,8 +1,8 @@
 """One configured resource, owned whole by one object.
 
-A `Resource` holds everything about one `[[device]]`: its node on the host and
-that node's health (`devices.NodeWatch`, the immutable `Snapshot` its sockets
-serve), its registration with kubelet (`registration.Registration`, the
+A `Resource` holds everything about one `[[device]]`: its nodes on the host and
+their health (`devices.table`: one shareable node, or a pattern's units; the
+immutable `Snapshot` its sockets serve), its registration with kubelet (`registration.Registration`, the
 decisions) and the sockets and calls that carry it out (`performer.Performer`),
 its stream budget and Allocate counts; and it hands STATUS= and the metrics one
 typed `Report`. `atedevd/node.py` tells it what happened.
@@ -23,21 +23,20 @@ from atedevd.registration.report import Report
 
 
 class Resource:
-    def __init__(self, device: Device, dev_root: str, host, pod_resources, run_id: str, serve_failed) -> None:
+    def __init__(self, device: Device, dev_root: str, sys_root: str, host, pod_resources, run_id: str,
+                 serve_failed) -> None:
         self.device = device
         self.host = host
-        self.watch = devices.NodeWatch()  # the node first served
-        self.present: Optional[bool] = None
+        self.table = devices.table(device, dev_root, sys_root)  # its nodes as last looked at
         self.advertised = False  # once served, kept served (Unhealthy while the node is missing)
         self.stream_limit = STREAMS_PER_RESOURCE
         self.stream_slots = threading.BoundedSemaphore(STREAMS_PER_RESOURCE)  # shared by its sockets
         self.allocations = AllocateCounts()  # over all its sockets
         self._version = 0
-        self.watch_root = dev_root  # where the node is looked up
-        self.look_at_device(dev_root, publish=False)
+        self.look_at_device(publish=False)
         self.snapshot = self._new_snapshot()
         longest = os.path.join(host.plugin_dir, sockets.STANDBY_DIR, sockets.socket_name(device.resource, run_id, 10**6))
-        self.machine = Registration(device.resource, device.count, self._healthy_units(),
+        self.machine = Registration(device.resource, self.snapshot.units, self.snapshot.healthy_units,
                                     standby_possible=len(os.fsencode(longest)) <= sockets.MAX_SOCKET_PATH,
                                     device_path=device.path,
                                     connections_visible=host.held_connections(()) is not None)
@@ -59,55 +58,50 @@ class Resource:
     def stopped(self) -> bool:
         return self.machine.stopped
 
-    # --- the device node ---------------------------------------------------------------------
+    # --- the device's nodes ------------------------------------------------------------------
 
-    def look_at_device(self, dev_root: str, publish: bool = True) -> None:
-        """Has the node come, gone or changed since the last look? Said, and published."""
-        change = self.watch.look(self.device, dev_root, self.advertised)
-        if change is None:
+    def look_at_device(self, publish: bool = True) -> None:
+        """Have its nodes come, gone or changed since the last look? Said, and published."""
+        changes, changed = self.table.look()
+        for c in changes:
+            self.host.say(c.level, c.event, f"{self.name}: {c.message}", resource=self.name, device=c.device or self.device.path)
+        if not changed:
             return
-        self.host.say(change.level, change.event, f"{self.name}: {change.message}", resource=self.name, device=self.device.path)
-        if change.present == self.present:
-            return
-        self.present = change.present
-        if change.present:
-            self.advertised = True
+        self.advertised |= self.table.advertised
         if publish:
             self.snapshot = self._new_snapshot()
             self.performer.publish(self.snapshot, self.device)
-            self._do(self.host.monotonic(), m.Publish(self.device.count, self._healthy_units()))
+            self._do(self.host.monotonic(), m.Publish(self.snapshot.units, self.snapshot.healthy_units))
 
     def accept_nodes(self) -> None:
-        """A reload: the node at the path now is accepted as the device's (the
-        configuration check has judged it)."""
-        self.watch.forget()
+        """A reload: the nodes there now are accepted as the device's (the configuration
+        check has judged them)."""
+        self.table.forget()
 
-    def reconfigure(self, device: Device, dev_root: str, now: float) -> bool:
-        """The `[[device]]` (or the dev root) changed on reload. What kubelet learns from the
-        device list (the count, the health) or from Allocate (the path, the permissions)
-        goes out on the open stream and in the next Allocate: no new registration, no
-        moment in which kubelet would refuse a pod. Only what Register itself carries (the
-        plugin's options) needs a new registration, and old sockets keep the old table.
-        True when it registers anew."""
+    def reconfigure(self, device: Device, dev_root: str, sys_root: str, now: float) -> bool:
+        """The `[[device]]` (or where nodes are looked up) changed on reload. What kubelet
+        learns from the device list (the units, their health) or from Allocate (the path,
+        the permissions, the companions) goes out on the open stream and in the next
+        Allocate: no new registration, no moment in which kubelet would refuse a pod. Only
+        what Register itself carries (the plugin's options: a pattern's preferred
+        allocation) needs a new registration, and old sockets keep the old table. True when
+        it registers anew."""
         anew = plugin_options(device) != plugin_options(self.device)
-        if device.path != self.device.path or dev_root != self.watch_root or anew:
-            self.watch, self.present = devices.NodeWatch(), None  # the node there now is judged afresh
-        self.device, self.watch_root = device, dev_root
-        self.look_at_device(dev_root, publish=False)
+        self.device = device
+        self.table = devices.table(device, dev_root, sys_root)  # the nodes there now, judged afresh
+        self.look_at_device(publish=False)
         self.snapshot = self._new_snapshot()
+        units, healthy = self.snapshot.units, self.snapshot.healthy_units
         if anew:
-            self._do(now, m.Reconfigure(device.count, self._healthy_units()))
+            self._do(now, m.Reconfigure(units, healthy))
             return True
         self.performer.retarget(self.snapshot, device)
-        self._do(now, m.Publish(device.count, self._healthy_units()))
+        self._do(now, m.Publish(units, healthy))
         return False
 
     def _new_snapshot(self) -> devices.Snapshot:
         self._version += 1
-        return devices.Snapshot(self.device, bool(self.present), self._version)
-
-    def _healthy_units(self) -> int:
-        return self.device.count if self.present else 0
+        return self.table.snapshot(self._version)
 
     # --- what happened: told by the node ------------------------------------------------------
 
@@ -159,10 +153,10 @@ class Resource:
     def report(self) -> Report:
         mc, t = self.machine, self.machine.tally
         served = mc.state not in (State.UNSERVED, State.STOPPED)
-        units = mc.units if served else 0
         return Report(
-            name=self.name, device_path=self.device.path, state=mc.state, changed_at=mc.changed_at,
-            advertised=self.advertised, units=units, healthy_units=min(mc.healthy_units, units),
+            name=self.name, device_path=self.device.path, pattern=self.device.pattern, state=mc.state,
+            changed_at=mc.changed_at, advertised=self.advertised, units=mc.units if served else 0,
+            healthy_units=mc.healthy_units if served else 0,
             kubelet_count=mc.check.kubelet_count, registrations=t.registrations, begun=dict(t.begun),
             registers_sent=self.performer.registers_sent, allocate_calls=self.allocations.calls,
             allocate_failures=self.allocations.failures, refused_streams=t.refused_streams,

@@ -197,8 +197,8 @@ def race(quick: bool) -> List[Row]:
 # --- Allocate -------------------------------------------------------------------------------
 
 
-def load(socket_path: str, callers: int, procs: int, duration: float = None, count: int = None) -> dict:
-    """`callers` threads spread over `procs` client processes (bench.loadgen)."""
+def load(socket_path: str, callers: int, procs: int, duration: float = None, count: int = None, ids: str = "kvm-0") -> dict:
+    """`callers` threads spread over `procs` client processes (bench.loadgen), each asking for `ids`."""
     per = [callers // procs + (1 if i < callers % procs else 0) for i in range(procs)]
     start_at = time.monotonic() + 1.0 + 0.3 * procs  # after every process has connected and warmed up
     outs, children = [], []
@@ -207,7 +207,8 @@ def load(socket_path: str, callers: int, procs: int, duration: float = None, cou
         fd, out = tempfile.mkstemp(prefix="atebench-lat-")
         os.close(fd)
         outs.append(out)
-        args = [sys.executable, "-m", "bench.loadgen", socket_path, out, "--threads", str(threads), "--start-at", str(start_at)]
+        args = [sys.executable, "-m", "bench.loadgen", socket_path, out, "--threads", str(threads), "--start-at", str(start_at),
+                "--ids", ids]
         args += ["--duration", str(duration)] if duration is not None else ["--count", str(count)]
         children.append(subprocess.Popen(args, stdout=subprocess.PIPE, cwd=REPO, env=env))
     lat = array("d")
@@ -379,6 +380,13 @@ def units(quick: bool, rounds: Optional[int] = None) -> List[Row]:
     return u.run(rounds or (5 if quick else 30))
 
 
+def pattern(quick: bool) -> List[Row]:
+    """A 64-node pattern resource beside kvm: Allocate and per-unit health latency (bench.pattern)."""
+    from bench import pattern as pt
+
+    return pt.run(quick)
+
+
 def upgrade(quick: bool, rounds: Optional[int] = None) -> List[Row]:
     """The rejection window of a package upgrade in a booted Debian 12 container (bench.upgrade)."""
     from bench import upgrade as up
@@ -393,6 +401,7 @@ BENCHES = {
     "race": race,
     "allocate": allocate,
     "health": health,
+    "pattern": pattern,
     "soak": soak,
     "idle": idle,
     "lifecycle": lifecycle,

@@ -11,7 +11,7 @@ from tests.test_check import atedevd, config_file, node, run  # noqa: F401 - `no
 
 FINDING_KEYS = {"check", "subject", "status", "message", "fix"}
 DEVICE_KEYS = {"resource", "path", "host_path", "present", "type", "units", "device_number", "uid", "gid",
-               "owner", "mode", "non_root", "char_link"}
+               "owner", "mode", "non_root", "char_link", "nodes"}
 
 
 def as_json(cfg, unit=None):
@@ -37,7 +37,9 @@ def test_ready_node_as_json(node):
     assert set(dev) == DEVICE_KEYS
     assert dev == dict(resource="ate.dev/kvm", path="/dev/kvm", host_path=f"{node.dev}/kvm", present=True,
                        type="char device 1:3", units=1024, device_number="1:3", uid=0, gid=0, owner="root:root",
-                       mode="0666", non_root="yes", char_link=f"{node.dev}/char/1:3")
+                       mode="0666", non_root="yes", char_link=f"{node.dev}/char/1:3",
+                       nodes=[dict(id=None, path="/dev/kvm", host_path=f"{node.dev}/kvm", role="node", device_number="1:3",
+                                   numa=[], pci=[], present=True, allowed=True, state="ok")])
     for f in doc["findings"]:
         assert set(f) == FINDING_KEYS and f["status"] in ("ok", "problem", "warning"), f
     assert {f["check"] for f in doc["findings"]} == {"device", "char-link", "non-root", "plugin-dir", "sandbox", "metrics",

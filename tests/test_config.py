@@ -120,10 +120,13 @@ def test_shipped_example_equals_builtin_default():
 def test_shipped_example_commented_devices_are_valid(tmp_path):
     here = os.path.join(os.path.dirname(__file__), "..", "etc", "config.toml")
     text = open(here).read()
-    for key in ("[[device]]", "resource", "path", "count", "permissions", "device_plugin_dir", "dev_root", "log_level"):
+    for key in ("[[device]]", "resource", "path", "count", "permissions", "companions", "device_plugin_dir", "dev_root",
+                "sys_root", "log_level"):
         text = text.replace("\n#" + key, "\n" + key)
     cfg = config.load(write(tmp_path, text))
-    assert [d.path for d in cfg.devices] == ["/dev/kvm", "/dev/vhost-net", "/dev/vhost-vsock", "/dev/fuse"]
+    assert [d.path for d in cfg.devices] == ["/dev/kvm", "/dev/vhost-net", "/dev/vhost-vsock", "/dev/fuse",
+                                             "/dev/vfio/[0-9]*", "/dev/serial/by-id/usb-*"]
+    assert cfg.devices[4].companions == ("/dev/vfio/vfio",) and cfg.sys_root == "/sys"
 
 
 def test_host_path_and_unit_id():

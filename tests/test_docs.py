@@ -85,7 +85,7 @@ def test_every_metric_is_documented():
     from atedevd.registration import State, Why
     from atedevd.registration.report import Report
 
-    report = Report(name=RESOURCE, device_path="/dev/kvm", state=State.REGISTERED, changed_at=0.0, advertised=True,
+    report = Report(name=RESOURCE, device_path="/dev/kvm", pattern=False, state=State.REGISTERED, changed_at=0.0, advertised=True,
                     units=1, healthy_units=1, kubelet_count=1, registrations=1, begun={}, registers_sent=1,
                     allocate_calls=0, allocate_failures=0, refused_streams=0, last_error=None, failing_since=None,
                     serve_error=None, last_reregistration=None)

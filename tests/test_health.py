@@ -94,6 +94,25 @@ def test_removed_node_goes_unhealthy_and_back_healthy_registration_kept(daemon, 
     assert "is missing" in daemon.log() and "present again" in daemon.log()
 
 
+def test_a_shareable_device_brings_its_companions_and_waits_for_them(start_daemon, kubelet, dev_root, tmp_path):
+    node(dev_root, "vhost-net", "/dev/zero")
+    d = start_daemon(config=write(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
+                                                       'count = 8\ncompanions = ["/dev/vhost-net"]\n'))
+    d.wait_ready()
+    assert kubelet.wait_connected(RESOURCE), d.log()
+    specs = kubelet.allocate(RESOURCE, ["kvm-0", "kvm-3"]).container_responses[0].devices
+    assert [(s.host_path, s.permissions) for s in specs] == [("/dev/kvm", "rw"), ("/dev/vhost-net", "rw")]
+    os.unlink(os.path.join(dev_root, "vhost-net"))
+    assert kubelet.wait(lambda: health(kubelet, RESOURCE) == {"Unhealthy"}, 5), d.log()
+    assert "ate.dev/kvm: companion /dev/vhost-net is missing" in d.log()
+    with pytest.raises(grpc.RpcError) as e:
+        kubelet.allocate(RESOURCE, ["kvm-0"])
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "companion" in e.value.details()
+    node(dev_root, "vhost-net", "/dev/zero")
+    assert kubelet.wait(lambda: health(kubelet, RESOURCE) == {"Healthy"}, 5), d.log()
+    assert kubelet.registration_count(RESOURCE) == 1 and not kubelet.clients[RESOURCE].options.get_preferred_allocation_available
+
+
 def test_device_missing_at_start_is_not_advertised_until_it_appears(start_daemon, kubelet, tmp_path, plugin_dir):
     empty_dev = str(tmp_path / "emptydev")
     os.makedirs(empty_dev)

@@ -28,7 +28,7 @@ def fake_registration(state=State.REGISTERED, kubelet_count=1024, healthy=True, 
     served = state not in (State.UNSERVED, State.STOPPED)
     units = 1024 if served else 0
     return Report(
-        name=name, device_path="/dev/kvm", state=state, changed_at=100.25, advertised=True, units=units,
+        name=name, device_path="/dev/kvm", pattern=False, state=state, changed_at=100.25, advertised=True, units=units,
         healthy_units=units if healthy else 0, kubelet_count=kubelet_count, registrations=3,
         begun=begun or {Why.FIRST: 1, Why.KUBELET_RESTARTED: 2}, registers_sent=4, allocate_calls=2,
         allocate_failures=1, refused_streams=0, last_error=None, failing_since=None, serve_error=None,
@@ -65,6 +65,8 @@ def test_a_registered_resource():
     assert {dict(k[1])["state"] for k in series(s, "atedevd_resource_state")} == {st.value for st in State}
     assert value(s, "atedevd_resource_units_advertised", **r) == 1024
     assert value(s, "atedevd_resource_units_healthy", **r) == 1024
+    assert value(s, "atedevd_resource_units", health="healthy", **r) == 1024
+    assert value(s, "atedevd_resource_units", health="unhealthy", **r) == 0
     assert value(s, "atedevd_resource_kubelet_allocatable_units", **r) == 1024
     assert value(s, "atedevd_resource_registrations_total", **r) == 3
     assert value(s, "atedevd_resource_register_calls_total", reason="first-registration", **r) == 1
@@ -98,6 +100,14 @@ def test_reasons_are_a_bounded_label_set():
     assert reasons == {w.value for w in Why}
     assert value(s, "atedevd_resource_register_calls_total", resource=RESOURCE, reason="retry") == 3
     assert value(s, "atedevd_resource_register_calls_total", resource=RESOURCE, reason="not-counted") == 1
+
+
+def test_a_pattern_resource_counts_its_units_by_health():
+    r = fake_registration()._replace(pattern=True, units=4, healthy_units=3)
+    _, (s, _, _) = rendered(r)
+    assert value(s, "atedevd_resource_units", resource=RESOURCE, health="healthy") == 3
+    assert value(s, "atedevd_resource_units", resource=RESOURCE, health="unhealthy") == 1
+    assert value(s, "atedevd_resource_units_advertised", resource=RESOURCE) == 4
 
 
 def test_label_values_are_escaped():

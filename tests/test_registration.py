@@ -4,7 +4,8 @@ module), with delays injected on the kubelet side at each step of the race (rand
 seeded per test), the daemon run as a process, and the healthy END STATE asserted after every
 round (Kubelet.assert_healthy: one live stream on the newest socket, endpoint not stopped,
 allocatable as configured in pod-resources and on the node, an Allocate through kubelet
-succeeds, no duplicate registration in one kubelet process).
+succeeds, no duplicate registration in one kubelet process). Most scenarios serve a pattern
+resource (one exclusive unit per node) beside kvm and assert its end state too.
 
 ROUNDS (environment, default 3) sets the rounds per scenario; `make bench` can run 1000.
 """
@@ -16,10 +17,11 @@ import signal
 import socket
 import time
 import zlib
+from typing import Optional
 
 import pytest
 
-from tests.harness import RESOURCE, current_socket, plugin_sockets
+from tests.harness import RESOURCE, current_socket, plugin_sockets, wait_until
 from tests.kubelet_standin import DELAY_STEPS, Kubelet
 
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
@@ -47,18 +49,42 @@ def kubelet(plugin_dir, kubelet_mode, rng):
     k.close()
 
 
+# A pattern resource beside kvm: one exclusive unit per node (distinct char devices every Linux has).
+PATTERN = "ate.dev/serial"
+PATTERN_NODES = ("/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+
+
 @pytest.fixture
-def registered(start_daemon, kubelet, rng):
-    """A daemon registered and in the healthy end state."""
-    d = start_daemon()
+def both(tmp_path, dev_root) -> str:
+    """A configuration of kvm (1024 shareable units) and a pattern resource of 4 exclusive units."""
+    for i, target in enumerate(PATTERN_NODES):
+        os.symlink(target, os.path.join(dev_root, f"ttyP{i}"))
+    path = tmp_path / "both.toml"
+    path.write_text(f'[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\n'
+                    f'[[device]]\nresource = "{PATTERN}"\npath = "/dev/ttyP*"\n')
+    return str(path)
+
+
+@pytest.fixture
+def registered(start_daemon, kubelet, rng, both):
+    """A daemon serving kvm and a pattern resource, both registered and in the healthy end state."""
+    d = start_daemon(config=both)
     d.wait_ready()
-    end_state(kubelet, d, rng, since=0, new=1)
+    end_state(kubelet, d, rng, since=0, new=1, pattern_new=1)
     return d
 
 
-def end_state(k: Kubelet, d, rng, since: int, new: int = 0, expected: int = 1024) -> None:
+def end_state(k: Kubelet, d, rng, since: int, new: int = 0, expected: int = 1024, pattern_new: Optional[int] = None) -> None:
+    """kvm's end state; and the pattern resource's (`pattern_new`: its new registrations) when it is configured.
+    The resource an event disturbed is waited for first: kubelet is quiet only once its teardown is done."""
+    checks = [(RESOURCE, expected, new)]
+    if pattern_new is not None:
+        checks.insert(0 if pattern_new > new else 1, (PATTERN, len(PATTERN_NODES), pattern_new))
     try:
-        k.assert_healthy(RESOURCE, expected, since=since, new_registrations=new, timeout=SETTLE)
+        for resource, count, registrations in checks:
+            k.assert_healthy(resource, count, since=since, new_registrations=registrations, timeout=SETTLE)
+        if pattern_new is not None:
+            assert sorted(k.devices(PATTERN)) == [f"ttyP{i}" for i in range(len(PATTERN_NODES))], k.devices(PATTERN)
     except AssertionError as e:
         raise AssertionError(f"{e}\nseed {rng.seed_value}; daemon log (tail):\n{d.log()[-3000:]}") from None
 
@@ -77,7 +103,7 @@ def test_kubelet_restart(registered, kubelet, rng, gap):
     for _ in range(ROUNDS):
         m = kubelet.mark()
         kubelet.restart(0.0 if gap == "back-to-back" else rng.uniform(0, 0.2))
-        end_state(kubelet, registered, rng, since=m, new=1)
+        end_state(kubelet, registered, rng, since=m, new=1, pattern_new=1)
 
 
 def test_our_socket_deleted_then_kubelet_restarts_in_a_separate_batch(registered, kubelet, plugin_dir, rng):
@@ -89,50 +115,69 @@ def test_our_socket_deleted_then_kubelet_restarts_in_a_separate_batch(registered
         # a short pause: the daemon reads the deletion first (and may start registering)
         kubelet.wait(lambda: len(kubelet.register_calls) > m, timeout=rng.uniform(0.002, 0.02))
         kubelet.restart(0.0)
-        end_state(kubelet, registered, rng, since=m, new=1)
+        end_state(kubelet, registered, rng, since=m, new=1, pattern_new=1)
 
 
 # --- the same kubelet stays up -------------------------------------------------------------------
 
 
-def test_kubelet_ends_our_stream(registered, kubelet, rng):
+@pytest.mark.parametrize("which", [RESOURCE, PATTERN])
+def test_kubelet_ends_our_stream(registered, kubelet, rng, which):
     for _ in range(ROUNDS):
         m = kubelet.mark()
-        kubelet.drop(RESOURCE)
-        end_state(kubelet, registered, rng, since=m, new=1)
+        kubelet.drop(which)
+        end_state(kubelet, registered, rng, since=m, new=int(which == RESOURCE), pattern_new=int(which == PATTERN))
 
 
-def test_our_socket_deleted_by_someone_else(registered, kubelet, plugin_dir, rng):
+@pytest.mark.parametrize("which", [RESOURCE, PATTERN])
+def test_our_socket_deleted_by_someone_else(registered, kubelet, plugin_dir, rng, which):
     for _ in range(ROUNDS):
         m = kubelet.mark()
-        os.unlink(current_socket(plugin_dir, kubelet=kubelet))
-        end_state(kubelet, registered, rng, since=m, new=1)
+        os.unlink(current_socket(plugin_dir, which, kubelet=kubelet))
+        end_state(kubelet, registered, rng, since=m, new=int(which == RESOURCE), pattern_new=int(which == PATTERN))
 
 
 def test_kubelet_sock_recreated_without_restart(registered, kubelet, rng):
     for _ in range(ROUNDS):
         m = kubelet.mark()
         kubelet.recreate_socket()
-        end_state(kubelet, registered, rng, since=m, new=1)
+        end_state(kubelet, registered, rng, since=m, new=1, pattern_new=1)
+
+
+def test_a_pattern_unit_unplugged_and_back_rides_the_stream(registered, kubelet, dev_root, rng):
+    """Per-node health of a pattern resource changes kubelet's count (pod-resources) without a
+    re-registration: the daemon's cross-check must expect the healthy units, not all of them."""
+    node = os.path.join(dev_root, "ttyP2")
+    for _ in range(ROUNDS):
+        m = kubelet.mark()
+        os.unlink(node)
+        assert kubelet.wait(lambda: kubelet.allocatable(PATTERN) == len(PATTERN_NODES) - 1, SETTLE), registered.log()
+        counted = re.compile(rf"{PATTERN}: registered, \d+/\d+ healthy, kubelet counts {len(PATTERN_NODES) - 1}\b")
+        assert wait_until(lambda: counted.search(registered.status() or ""), SETTLE), registered.status()
+        time.sleep(1.0)  # the daemon's check has seen kubelet's new count: a wrong expectation re-registers 0.5 s on
+        assert kubelet.register_calls[m:] == [], "a unit's health change was taken for a lost registration"
+        os.symlink(PATTERN_NODES[2], node)
+        end_state(kubelet, registered, rng, since=m, new=0, pattern_new=0)
 
 
 # --- the daemon restarts -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill-9"])
-def test_daemon_restart(start_daemon, kubelet, rng, plugin_dir, signum):
-    d = start_daemon()
+def test_daemon_restart(start_daemon, kubelet, rng, plugin_dir, signum, both):
+    d = start_daemon(config=both)
     d.wait_ready()
-    end_state(kubelet, d, rng, since=0, new=1)
+    end_state(kubelet, d, rng, since=0, new=1, pattern_new=1)
     for _ in range(ROUNDS):
         m = kubelet.mark()
         d.send(signum)
         d.wait(10)
-        d = start_daemon()
+        d = start_daemon(config=both)
         d.wait_ready()
-        end_state(kubelet, d, rng, since=m, new=1)
-        left = plugin_sockets(plugin_dir)
-        assert left == [current_socket(plugin_dir, kubelet=kubelet)], f"sockets of earlier runs left: {left}"
+        end_state(kubelet, d, rng, since=m, new=1, pattern_new=1)
+        for resource in (RESOURCE, PATTERN):
+            left = plugin_sockets(plugin_dir, resource)
+            assert left == [current_socket(plugin_dir, resource, kubelet=kubelet)], f"sockets of earlier runs left: {left}"
 
 
 # --- reload ------------------------------------------------------------------------------------

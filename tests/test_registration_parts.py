@@ -369,7 +369,7 @@ def test_refused_streams_are_said_once_a_minute():
 
 
 def test_describe_says_the_state_in_words():
-    r = Report(name=NAME, device_path="/dev/kvm", state=State.REGISTERED, changed_at=0.0, advertised=True, units=4,
+    r = Report(name=NAME, device_path="/dev/kvm", pattern=False, state=State.REGISTERED, changed_at=0.0, advertised=True, units=4,
                healthy_units=4, kubelet_count=4, registrations=2, begun={}, registers_sent=2, allocate_calls=0,
                allocate_failures=0, refused_streams=1, last_error=None, failing_since=None, serve_error=None,
                last_reregistration=(10.0, 0.012))

@@ -106,6 +106,7 @@ class Report(NamedTuple):
 
     name: str
     device_path: str
+    pattern: bool  # its path is a pattern: one unit per matching node
     state: State
     changed_at: float  # monotonic
     advertised: bool  # its device was seen at some point: served (Unhealthy while missing)

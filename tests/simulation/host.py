@@ -200,7 +200,7 @@ class SimServer:
         return True
 
     def _send(self, c) -> None:
-        healthy = self.device.count if self.snapshot.healthy else 0
+        healthy = self.snapshot.healthy_units
         self.w.after(self.w.delay(), self.w.kubelet.devices_sent, c, healthy)
 
     def kubelet_closed(self, c) -> None:

@@ -193,7 +193,7 @@ class Daemon:
         self.alive = True
         self.resource_name = RESOURCE
         self.host = SimHost(world, self)
-        self.node = Node(PLUGIN_DIR, "/dev", self.host, f"d{n}", lambda path, error: False)
+        self.node = Node(PLUGIN_DIR, "/dev", "/sys", self.host, f"d{n}", lambda path, error: False)
         self.on_exit = None
         self._wake_at: Optional[float] = None
 
@@ -212,7 +212,7 @@ class Daemon:
             if isinstance(s, SimServer) and not s.serving:  # an earlier run's leftover
                 fs.remove(s)
         self.node.kubelet.refresh(created=False, events_lost=True)
-        self.node.apply([Device(RESOURCE, DEVICE_PATH, self.count)], "/dev", self.w.now)
+        self.node.apply([Device(RESOURCE, DEVICE_PATH, self.count)], "/dev", "/sys", self.w.now)
         self.node.reconcile(self.w.now)
         self.woke()
 
@@ -225,7 +225,7 @@ class Daemon:
         """SIGHUP: a changed resource is served anew; an unchanged one is not touched."""
         self.count = count
         self.node.accept_nodes()
-        self.node.apply([Device(RESOURCE, DEVICE_PATH, count)], "/dev", self.w.now)
+        self.node.apply([Device(RESOURCE, DEVICE_PATH, count)], "/dev", "/sys", self.w.now)
         self.node.reconcile(self.w.now)
         self.woke()
 

@@ -1,0 +1,381 @@
+"""Pattern devices (`/dev/ttyUSB*`, `/dev/vfio/[0-9]*`): the nodes a pattern matches, each
+one's ID, the table of units the loop keeps, their NUMA nodes, and which units to prefer.
+
+Only imported where some device has a pattern: a start with the shareable default pays
+nothing for it.
+
+Only the last part of the path may hold a pattern, so one directory holds every
+match and one inotify watch sees every node come and go. Names are matched as
+the shell's glob matches them: `*` and `?` do not match a leading dot unless the
+pattern starts with one.
+
+A unit's ID is the matched node's path under /dev with each "/" written "-":
+`/dev/vfio/12` is `vfio-12`, `/dev/ttyUSB0` is `ttyUSB0`. kubelet keeps, in its
+checkpoint, both the IDs a container holds and the Allocate answer that gave it
+its nodes (the path), and when the container starts again (after a crash, a
+kubelet restart, a reboot) checks those IDs are Healthy and replays that
+answer. Only an ID that always means the same path keeps the two from
+disagreeing; an ID from a listing's order does not (the second node
+of a directory is another node once the first is unplugged), and neither does
+an ID from the hardware when the path it is answered with is the kernel's name
+for whatever holds it now. Where the kernel's names are not stable enough, match
+the links udev makes from the hardware (`/dev/serial/by-id/*`), whose names are.
+"""
+
+import fnmatch
+import hashlib
+import logging
+import os
+import re
+import stat
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+from atedevd import policy
+from atedevd.config import MAX_DEVICE_ID, Device, host_path
+from atedevd.devices import MISSING, PRESENT, Change, Snapshot, _Companions, _numbers, presence
+
+log = logging.getLogger(__name__)
+
+# Characters an ID keeps as they are; a name with any other gets a hash of itself.
+_PLAIN = re.compile(r"[A-Za-z0-9._:+@-]+")
+_HASH = 10  # hex digits of sha256 when an ID is shortened or its name was not plain
+
+
+class Pattern:
+    """The matches of one pattern path, looked up under a dev root."""
+
+    def __init__(self, path: str, dev_root: str) -> None:
+        self.path = path  # as configured, under /dev
+        directory, self.glob = os.path.split(path)
+        self.directory = directory  # as pods see it
+        self.host_directory = os.path.normpath(host_path(directory, dev_root))
+        self._match = re.compile(fnmatch.translate(self.glob)).match
+        self._dots = self.glob.startswith(".")
+
+    def names(self) -> List[str]:
+        """Every entry of the directory the pattern matches, sorted; [] when the directory is not there."""
+        try:
+            entries = os.listdir(self.host_directory)
+        except OSError:
+            return []
+        match, dots = self._match, self._dots
+        return sorted(n for n in entries if (dots or n[0] != ".") and match(n))
+
+    def path_of(self, name: str) -> str:
+        """The path pods see for a match: `/dev/vfio/12`."""
+        return self.directory + "/" + name
+
+    def host_path_of(self, name: str) -> str:
+        return os.path.join(self.host_directory, name)
+
+
+def unit_id(path: str) -> str:
+    """The ID of the unit at `path` (under /dev): the path below /dev, "/" as "-"; a name
+    with characters IDs do not keep, or longer than kubelet's 63, is cut and ends in a hash
+    of the whole path, so two paths never share an ID."""
+    plain = path[len("/dev/"):].replace("/", "-")
+    if len(plain) <= MAX_DEVICE_ID and _PLAIN.fullmatch(plain):
+        return plain
+    digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:_HASH]
+    kept = "".join(c if _PLAIN.fullmatch(c) else "_" for c in plain)
+    return kept[:MAX_DEVICE_ID - _HASH - 1] + "~" + digest
+
+
+class Unit(NamedTuple):
+    """One unit of a pattern resource as kubelet is told of it: one node, one container."""
+
+    id: str
+    path: str  # the node pods get, as they see it
+    healthy: bool
+    numa: Tuple[int, ...] = ()  # NUMA nodes sysfs places it on; () when it does not say
+
+
+def preferred(available, must_include, size: int, numa: Callable[[str], Tuple[int, ...]]) -> List[str]:
+    """Which `size` of the `available` unit IDs to give one container, `must_include` first:
+    all from one NUMA node when one node has enough (the one the must-includes sit on
+    first, then the one with the fewest to spare, which keeps larger nodes whole for larger
+    requests); otherwise from as few nodes as it can, units sysfs places nowhere last.
+    Within a node, by ID. Kubelet's own order is a map's: nothing to keep."""
+    size = max(int(size), 0)
+    chosen = list(dict.fromkeys(must_include))[:size]
+    taken = set(chosen)
+    need = size - len(chosen)
+    if need <= 0:
+        return chosen
+    groups: Dict[Optional[int], List[str]] = {}
+    for i in sorted(dict.fromkeys(available)):
+        if i not in taken:
+            nodes = numa(i)
+            groups.setdefault(nodes[0] if len(nodes) == 1 else None, []).append(i)
+    near = {numa(i)[0] for i in chosen if len(numa(i)) == 1}
+    nodes = [n for n in groups if n is not None]
+    fits = [n for n in nodes if len(groups[n]) >= need]
+    if fits:
+        best = min(fits, key=lambda n: (n not in near, len(groups[n]), n))
+        return chosen + groups[best][:need]
+    for n in sorted(nodes, key=lambda n: (n not in near, -len(groups[n]), n)) + [None]:
+        chosen += groups.get(n, [])[:size - len(chosen)]
+    return chosen
+
+
+class _Match:
+    """One name the pattern matches, as the loop last judged it."""
+
+    __slots__ = ("name", "path", "id", "state", "node", "refusal", "first", "numa", "pci", "unit")
+
+    def __init__(self, name: str, path: str) -> None:
+        self.name, self.path = name, path
+        self.id: Optional[str] = None  # its unit's ID, once it is a unit
+        self.state = MISSING  # PRESENT, or why it is not served
+        self.node: Optional[policy.Node] = None
+        self.refusal: Optional[policy.Refusal] = None
+        self.first: Optional[Tuple[int, int]] = None  # the numbers first served as its unit
+        self.numa: Tuple[int, ...] = ()
+        self.pci: Tuple[str, ...] = ()
+        self.unit = False  # advertised: kept in the list (Unhealthy while not PRESENT) until a reload
+
+
+class ExclusiveTable:
+    """Every node a pattern path matches, each one unit that kubelet hands to one container.
+
+    On each look the directory is listed and each match stat()ed (one listdir and a
+    stat per match when nothing changed); a match whose type or numbers changed is
+    judged in full: the policy, its numbers against those first served, its NUMA
+    node. A unit, once advertised, stays in the list (Unhealthy while its node is
+    gone) until a reload, so the ID a running container holds stays known to kubelet.
+    """
+
+    def __init__(self, device: Device, dev_root: str, sys_root: str = policy.SYS_ROOT) -> None:
+        self.device, self._dev_root, self._sys_root = device, dev_root, sys_root
+        self._pattern = Pattern(device.path, dev_root)
+        self._skip = {p.rsplit("/", 1)[1] for p in device.companions if p.rsplit("/", 1)[0] == self._pattern.directory}
+        self._companions = _Companions(device, dev_root, sys_root)
+        self._matches: Dict[str, _Match] = {}
+        self._seen: Dict[str, tuple] = {}  # name -> what one stat() saw last
+        self._claims: Dict[Tuple[int, int], str] = {}  # numbers first served -> the unit's name
+        self._first = True
+        self._published: tuple = ()
+        self.advertised = False
+        self.healthy = False
+
+    @property
+    def units(self) -> List[_Match]:
+        return sorted((m for m in self._matches.values() if m.unit), key=lambda m: m.id)
+
+    def look(self) -> Tuple[List[Change], bool]:
+        """What to tell the journal since the last look, and whether what kubelet is sent changed."""
+        seen: Dict[str, tuple] = {}
+        for name in self._pattern.names():
+            if name in self._skip:
+                continue
+            try:
+                st = os.stat(self._pattern.host_path_of(name))
+                seen[name] = (stat.S_IFMT(st.st_mode), st.st_rdev)
+            except OSError as e:
+                seen[name] = ("error", e.errno)
+        changes, _ = self._companions.look()
+        first, self._first = self._first, False
+        if first or seen != self._seen:
+            for name in sorted(set(seen) | set(self._seen)):
+                if seen.get(name) != self._seen.get(name):
+                    self._judge(name, name in seen, first, changes)
+            self._seen = seen
+            if first:
+                changes.append(self._summary())
+        ok = self._companions.ok
+        units = tuple((m.id, m.state == PRESENT and ok, m.numa) for m in self.units)
+        changed, self._published = first or units != self._published, units
+        self.advertised |= bool(units)
+        self.healthy = any(h for _, h, _ in units)
+        return changes, changed
+
+    def _judge(self, name: str, there: bool, first_look: bool, changes: List[Change]) -> None:
+        m = self._matches.get(name)
+        if m is None:
+            m = self._matches[name] = _Match(name, self._pattern.path_of(name))
+        host = self._pattern.host_path_of(name)
+        say = lambda level, event, text: changes.append(Change(m.state == PRESENT, level, event, text, m.path))  # noqa: E731
+        was = m.state
+        if not there:
+            m.state, m.node, m.refusal = MISSING, None, None
+            if m.unit:
+                say(logging.WARNING, "device-missing", f"{m.path} is gone ({host}); unit {m.id} is Unhealthy")
+            else:
+                del self._matches[name]
+            return
+        found = presence(Device(self.device.resource, m.path, allow_host_access=self.device.allow_host_access),
+                         self._dev_root, self._sys_root)
+        m.node, m.refusal = found.node, found.refusal
+        m.numa, m.pci = placement(found.node, self._sys_root) if found.node is not None else ((), ())
+        if found.node is None:  # not a device node at all: a directory, a file, unreadable
+            m.state = found.state
+            if m.unit:
+                say(logging.WARNING, "device-missing", f"{host} is {found.state}; unit {m.id} is Unhealthy")
+            else:
+                del self._matches[name]  # never a candidate
+            return
+        numbers = (found.node.major, found.node.minor)
+        if found.state != PRESENT:  # refused by the policy
+            m.state = "refused"
+            unit = f"unit {m.id} is Unhealthy" if m.unit else "not advertised"
+            say(logging.ERROR, "device-refused", f"{m.path}: {found.state}; {unit}")
+            return
+        if numbers in self._companions.numbers:
+            m.state = "a companion"
+            log.debug("%s: %s is a companion's node, not a unit", self.device.resource, m.path)
+            return
+        owner = self._claims.get(numbers)
+        if m.first is not None and numbers != m.first:
+            m.state = "changed"
+            say(logging.ERROR, "device-changed",
+                f"{host} is now {found.node.describe()}, not the {_numbers(m.first)} first served as unit {m.id}; "
+                f"it is Unhealthy until {_numbers(m.first)} is back or a reload accepts the new node")
+            return
+        if owner is not None and owner != name:
+            m.state = "held"
+            holder = self._matches[owner]
+            served = "Unhealthy" if m.unit else "not advertised"
+            if holder.node is not None and (holder.node.major, holder.node.minor) == numbers:
+                say(logging.ERROR, "device-conflict", f"{m.path} is {found.node.describe()}, the same node as unit "
+                    f"{holder.id} ({holder.path}): {served}, so that no two containers are given it")
+            else:
+                say(logging.ERROR, "device-conflict", f"{m.path} is {found.node.describe()}, the node first served as "
+                    f"unit {holder.id} ({holder.path}, {holder.state}): {served} while a container may still hold it "
+                    f"through {holder.id}; a reload accepts it")
+            return
+        if m.first is None:
+            m.first = numbers
+            self._claims[numbers] = name
+        m.state = PRESENT
+        where = f"{found.node.describe()}" + (f", NUMA node {_numa(m.numa)}" if m.numa else "")
+        if found.refusal is not None:  # opted in: said whenever it appears
+            say(logging.WARNING, "device-host-access", f"{m.path} gives pods the host, granted because "
+                f"allow_host_access = true: {found.refusal}")
+        if m.unit:
+            if was == PRESENT:  # judged again after a reload
+                say(logging.DEBUG, "device-present", f"{m.path} is unit {m.id} ({where})")
+            else:
+                say(logging.INFO, "device-present", f"{m.path} is present again: unit {m.id} ({where})")
+        else:
+            m.unit, m.id = True, unit_id(m.path)
+            level = logging.DEBUG if first_look else logging.INFO
+            say(level, "device-present", f"{m.path} appeared; advertising it as unit {m.id} ({where})")
+
+    def _summary(self) -> Change:
+        """At the first look (a start, a changed configuration): one line for the resource."""
+        units = self.units
+        if not units:
+            return Change(False, logging.INFO, "device-missing",
+                          f"no node matches {self.device.path} ({self._pattern.host_directory}); "
+                          "not advertised until one appears")
+        named = ", ".join(f"{m.id} ({m.node.numbers}{', NUMA ' + _numa(m.numa) if m.numa else ''})" for m in units[:8])
+        more = f" and {len(units) - 8} more" if len(units) > 8 else ""
+        return Change(True, logging.INFO, "device-present",
+                      f"{len(units)} unit{'s' if len(units) != 1 else ''} from {self.device.path}: {named}{more}")
+
+    def snapshot(self, version: int) -> Snapshot:
+        ok = self._companions.ok
+        units = tuple(Unit(m.id, m.path, m.state == PRESENT and ok, m.numa) for m in self.units)
+        return Snapshot(self.device, any(u.healthy for u in units), version, units=units)
+
+    def forget(self) -> None:
+        """A reload: accept the nodes there now. A unit stays one while its node is there and
+        allowed, now pinned to the numbers it has; the others leave the list. Every match is
+        judged (and named) again at the next look."""
+        self._companions.forget()
+        self._claims.clear()
+        for m in sorted(self._matches.values(), key=lambda m: m.id or ""):
+            m.first = None
+            if m.unit and m.node is not None and m.state != "refused":
+                numbers = (m.node.major, m.node.minor)
+                if numbers not in self._claims:
+                    m.first, self._claims[numbers] = numbers, m.name
+            else:
+                m.unit, m.id = False, None
+        self._seen = {}
+
+    def listing(self) -> List["NodeRow"]:
+        """Every node the pattern matches, then every companion, for `atedevd check`."""
+        rows = []
+        for m in sorted(self._matches.values(), key=lambda m: m.name):
+            numbers = m.node.numbers if m.node is not None else None
+            allowed = m.node is not None and m.state != "refused"
+            rows.append(NodeRow(m.id, m.path, self._pattern.host_path_of(m.name), "unit" if m.unit else "match",
+                                numbers, m.numa, m.pci, m.node is not None, allowed, _state(m)))
+        return rows + self._companions.listing()
+
+
+class NodeRow(NamedTuple):
+    """One node of a resource as `atedevd check` lists it."""
+
+    id: Optional[str]  # the unit's ID; None for a node that is no unit (refused, held, a companion)
+    path: str  # as pods see it
+    host_path: str
+    role: str  # "unit", "match" (matched, not a unit), "node" (a shareable device's), "companion"
+    device_number: Optional[str]  # MAJOR:MINOR
+    numa: Tuple[int, ...]
+    pci: Tuple[str, ...]
+    present: bool
+    allowed: bool  # the device policy lets pods have it
+    state: str  # "ok", or why it is not served
+
+
+def _state(m: _Match) -> str:
+    if m.state == PRESENT:
+        return "ok"
+    if m.state == "refused" and m.refusal is not None:
+        return f"refused: {m.refusal}"
+    if m.state == "held":
+        return "held: the node first served as another unit"
+    if m.state == "changed":
+        return f"changed: not the {_numbers(m.first)} first served"
+    return m.state
+
+
+def row(device: Device, dev_root: str, sys_root: str, role: str) -> NodeRow:
+    """A node judged on its own (a shareable device's, a companion)."""
+    found = presence(device, dev_root, sys_root)
+    numa, pci = placement(found.node, sys_root) if found.node is not None else ((), ())
+    refused = found.refusal is not None and found.state != PRESENT
+    return NodeRow(None, device.path, device.host_path(dev_root), role, found.node.numbers if found.node else None,
+                   numa, pci, found.state != MISSING, not refused,
+                   "ok" if found.state == PRESENT else found.state)
+
+
+def placement(node: policy.Node, sys_root: str = policy.SYS_ROOT) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    """(NUMA nodes, PCI addresses) of the hardware behind a node, as sysfs tells them.
+
+    A VFIO group (`/dev/vfio/N`, sysfs class vfio) has no device of its own in sysfs:
+    its devices are /sys/kernel/iommu_groups/N/devices/<PCI address>, each with a
+    `numa_node`. Any other node's device is /sys/dev/char/MAJ:MIN/device; the nearest
+    ancestor with a `numa_node` (a USB serial adapter's is its host controller's) says.
+    -1 (no NUMA information) and an unreadable file say nothing."""
+    if node.subsystem == "vfio" and node.name and node.name.startswith("vfio/") and node.name[5:].isdigit():
+        group = os.path.join(sys_root, "kernel", "iommu_groups", node.name[5:], "devices")
+        try:
+            pci = tuple(sorted(os.listdir(group)))
+        except OSError:
+            return (), ()
+        numa = {_read_numa(os.path.join(group, addr, "numa_node")) for addr in pci}
+        return tuple(sorted(n for n in numa if n is not None)), pci
+    devices = os.path.join(sys_root, "devices")
+    here = os.path.realpath(os.path.join(sys_root, "dev", node.kind, f"{node.major}:{node.minor}", "device"))
+    while here.startswith(devices + "/"):
+        n = _read_numa(os.path.join(here, "numa_node"))
+        if n is not None or os.path.exists(os.path.join(here, "numa_node")):
+            return ((n,) if n is not None else ()), ()
+        here = os.path.dirname(here)
+    return (), ()
+
+
+def _read_numa(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            n = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return n if n >= 0 else None
+
+
+def _numa(nodes: Tuple[int, ...]) -> str:
+    return ",".join(map(str, nodes))

@@ -1,0 +1,383 @@
+"""Pattern devices below the daemon: matching, stable IDs, the table of units and its
+judgements, NUMA placement, the preferred allocation, the configuration's checks of
+patterns and companions, and the trust check of the configuration file."""
+
+import io
+import logging
+import os
+import stat
+
+import pytest
+
+from atedevd import check, config, devices, patterns, trust
+from atedevd.config import ConfigError, Device
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod and chown need root")
+VFIO = Device("ate.dev/vfio", "/dev/vfio/[0-9]*", companions=("/dev/vfio/vfio",))
+
+
+def mknod(root, name, major, minor):
+    path = os.path.join(str(root), name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.lexists(path):
+        os.unlink(path)
+    os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(major, minor))
+    return path
+
+
+def vfio_nodes(dev, *groups):
+    """/dev/vfio/vfio and a group node per name, minors in order (243 is a major VFIO gets)."""
+    mknod(dev, "vfio/vfio", 10, 196)
+    for minor, group in enumerate(groups):
+        mknod(dev, f"vfio/{group}", 243, minor)
+
+
+def fake_vfio_sysfs(root, groups):
+    """sysfs as the kernel shows VFIO groups: /sys/dev/char/MAJ:MIN of class vfio named vfio/N,
+    and /sys/kernel/iommu_groups/N/devices/<PCI address>/numa_node. groups: {N: (minor, numa, pci)};
+    a name that is not a number is a group without an IOMMU (vfio/noiommu-N)."""
+    root = str(root)
+    for group, (minor, numa, pci) in groups.items():
+        entry = os.path.join(root, "devices", "virtual", "vfio", str(group))
+        os.makedirs(entry)
+        os.makedirs(os.path.join(root, "class", "vfio"), exist_ok=True)
+        os.symlink(os.path.relpath(os.path.join(root, "class", "vfio"), entry), os.path.join(entry, "subsystem"))
+        with open(os.path.join(entry, "uevent"), "w") as f:
+            f.write(f"MAJOR=243\nMINOR={minor}\nDEVNAME=vfio/{group}\n")
+        os.makedirs(os.path.join(root, "dev", "char"), exist_ok=True)
+        os.symlink(os.path.relpath(entry, os.path.join(root, "dev", "char")), os.path.join(root, "dev", "char", f"243:{minor}"))
+        if pci:
+            device = os.path.join(root, "kernel", "iommu_groups", str(group), "devices", pci)
+            os.makedirs(device)
+            with open(os.path.join(device, "numa_node"), "w") as f:
+                f.write(f"{numa}\n")
+    return root
+
+
+def look(table):
+    changes, changed = table.look()
+    return changes, changed, {u.id: (u.path, u.healthy) for u in table.snapshot(1).by_id.values()}
+
+
+# --- matching and IDs ------------------------------------------------------------------------
+
+
+def test_a_pattern_matches_names_in_one_directory_as_the_shell_does(tmp_path):
+    for name in ("ttyUSB0", "ttyUSB1", "ttyUSB10", ".ttyUSB9", "ttyS0"):
+        (tmp_path / name).write_text("")
+    assert patterns.Pattern("/dev/ttyUSB*", str(tmp_path)).names() == ["ttyUSB0", "ttyUSB1", "ttyUSB10"]
+    assert patterns.Pattern("/dev/tty*", str(tmp_path)).names() == ["ttyS0", "ttyUSB0", "ttyUSB1", "ttyUSB10"]
+    assert patterns.Pattern("/dev/.tty*", str(tmp_path)).names() == [".ttyUSB9"]
+    assert patterns.Pattern("/dev/vfio/[0-9]*", str(tmp_path)).names() == []  # no directory: nothing, no error
+
+
+def test_an_id_is_the_path_under_dev_and_never_two_paths_share_one():
+    assert patterns.unit_id("/dev/ttyUSB0") == "ttyUSB0"
+    assert patterns.unit_id("/dev/vfio/12") == "vfio-12"
+    link = "/dev/serial/by-id/usb-Silicon_Labs_CP2102N_USB_to_UART_Bridge_Controller_d2b0a2c4c2e4eb11a5a2-if00-port0"
+    long_id = patterns.unit_id(link)
+    assert len(long_id) == 63 and long_id.startswith("serial-by-id-usb-Silicon_Labs") and "~" in long_id
+    assert patterns.unit_id(link + "1") != long_id  # the hash is of the whole path
+    odd = patterns.unit_id("/dev/weird name")
+    assert odd.startswith("weird_name~") and odd != patterns.unit_id("/dev/weird_name") == "weird_name"
+    assert patterns.unit_id("/dev/vfio/12") == patterns.unit_id("/dev/vfio/12")  # a function of the path alone
+
+
+# --- the configuration ------------------------------------------------------------------------
+
+
+def load(tmp_path, text, dev_root=None, sys_root=None):
+    path = tmp_path / "c.toml"
+    daemon = f'[daemon]\ndev_root = "{dev_root or tmp_path / "nodev"}"\n'
+    if sys_root:
+        daemon += f'sys_root = "{sys_root}"\n'
+    path.write_text(daemon + text)
+    return config.load(str(path), required=True)
+
+
+def errors(tmp_path, text, **kw):
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, text, **kw)
+    return e.value.errors
+
+
+def test_pattern_and_companions_are_read(tmp_path):
+    cfg = load(tmp_path, '[[device]]\nresource = "ate.dev/vfio"\npath = "/dev/vfio/[0-9]*"\n'
+                         'companions = ["/dev/vfio/vfio"]\npermissions = "rwm"\n')
+    (dev,) = cfg.devices
+    assert dev.pattern and dev.companions == ("/dev/vfio/vfio",) and dev.permissions == "rwm"
+    assert not config.Device("ate.dev/kvm", "/dev/kvm").pattern
+
+
+@pytest.mark.parametrize("table,message", [
+    ('path = "/dev/*/tty0"', 'a pattern may only be in the last part of the path'),
+    ('path = "/dev/ttyUSB*"\ncount = 4', "count: a pattern path is one unit per matching node"),
+    ('path = "/dev/vfio/*"\ncompanions = "/dev/vfio/vfio"', "companions: must be an array of paths, got string"),
+    ('path = "/dev/vfio/*"\ncompanions = ["vfio"]', 'companions: "vfio" must be an absolute path under /dev/'),
+    ('path = "/dev/vfio/*"\ncompanions = ["/dev/vfio/*"]', "a companion is one node, not a pattern"),
+    ('path = "/dev/vfio/*"\ncompanions = ["/dev/a", "/dev/a"]', "companions: lists a path twice"),
+    ('path = "/dev/kvm"\ncompanions = ["/dev/kvm"]', "companions: \"/dev/kvm\" is the device's own path"),
+])
+def test_pattern_mistakes_are_named_with_their_line(tmp_path, table, message):
+    errs = errors(tmp_path, f'[[device]]\nresource = "a.dev/x"\n{table}\n')
+    assert len(errs) == 1 and message in errs[0], errs
+    assert errs[0].startswith(f"{tmp_path / 'c.toml'}:"), errs  # FILE:LINE
+
+
+@needs_root
+def test_a_refused_companion_fails_the_configuration_a_refused_match_does_not(tmp_path):
+    dev = tmp_path / "dev"
+    mknod(dev, "vfio/12", 243, 0)
+    mknod(dev, "vfio/vfio", 1, 1)  # the "companion" is /dev/mem
+    mknod(dev, "m0", 1, 1)
+    errs = errors(tmp_path, '[[device]]\nresource = "a.dev/x"\npath = "/dev/vfio/[0-9]*"\ncompanions = ["/dev/vfio/vfio"]\n',
+                  dev_root=dev)
+    assert len(errs) == 1 and "[[device]] #1 companions: \"/dev/vfio/vfio\" (a.dev/x): refused:" in errs[0], errs
+    assert "is physical memory" in errs[0] and errs[0].startswith(f"{tmp_path / 'c.toml'}:6:")
+    cfg = load(tmp_path, '[[device]]\nresource = "a.dev/m"\npath = "/dev/m*"\n', dev_root=dev)
+    out = io.StringIO()
+    assert check.check_config(cfg.source, out, required=True) == 0
+    assert f"WARNING: a.dev/m: /dev/m* matches {dev}/m0 (1:1), not advertised: refused:" in out.getvalue()
+
+
+@needs_root
+def test_a_node_a_pattern_hands_out_must_be_no_other_devices(tmp_path):
+    dev = tmp_path / "dev"
+    mknod(dev, "ttyUSB0", 188, 0)
+    os.symlink("ttyUSB0", dev / "gps")
+    errs = errors(tmp_path, '[[device]]\nresource = "a.dev/serial"\npath = "/dev/ttyUSB*"\n'
+                            '[[device]]\nresource = "a.dev/gps"\npath = "/dev/gps"\n', dev_root=dev)
+    assert len(errs) == 1, errs
+    assert ('[[device]] #1 path: "/dev/ttyUSB*" matches /dev/ttyUSB0 (char 188:0), which [[device]] #2 (a.dev/gps) '
+            "grants too as /dev/gps") in errs[0]
+
+
+# --- the trust check -------------------------------------------------------------------------
+
+
+def test_a_file_writable_by_others_or_in_a_directory_they_can_write_is_not_trusted(tmp_path):
+    d = tmp_path / "etc"
+    d.mkdir(mode=0o755)
+    f = d / "config.toml"
+    f.write_text("")
+    os.chmod(f, 0o644)
+    assert trust.problems(str(f)) == []
+    os.chmod(f, 0o664)
+    [p] = trust.problems(str(f))
+    assert p.startswith(f"{f} is writable by its group (owner ") and "mode 0664" in p and p.endswith(f"chmod go-w {f}")
+    os.chmod(f, 0o644)
+    os.chmod(d, 0o777)
+    [p] = trust.problems(str(f))
+    assert p.startswith(f"{d} is writable by its group and others (owner ") and "mode 0777" in p
+    assert f"so {f} can be replaced" in p
+    os.chmod(d, 0o1777)  # sticky, like /tmp: safe for what root (or we) own in it
+    assert trust.problems(str(f)) == []
+    os.symlink(f, d / "link.toml")  # a link in a sticky directory, owned by us: still fine
+    assert trust.problems(str(d / "link.toml")) == []
+    os.chmod(d, 0o755)
+
+
+@needs_root
+def test_owned_by_someone_else_is_not_trusted_even_in_a_sticky_directory(tmp_path):
+    d = tmp_path / "tmp"
+    d.mkdir()
+    os.chmod(d, 0o1777)
+    f = d / "config.toml"
+    f.write_text("")
+    os.chown(f, 4242, 4242)
+    problems = trust.problems(str(f))
+    assert any(p.startswith(f"{f} is owned by 4242 (owner 4242:4242, mode 0644), not root: chown root") for p in problems)
+    assert any(f"{d} is writable by its group and others" in p for p in problems), problems  # not ours: replaceable
+    os.chown(f, 0, 0)
+    real = tmp_path / "real"
+    real.mkdir()
+    os.chown(real, 4242, 4242)
+    (real / "c.toml").write_text("")
+    os.symlink(real / "c.toml", tmp_path / "via-link.toml")  # the path as given is fine, the file's directory is not
+    assert any(p.startswith(f"{real} is owned by 4242") for p in trust.problems(str(tmp_path / "via-link.toml")))
+
+
+def test_an_untrusted_file_is_a_configuration_error_with_every_other_problem(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[[device]]\nresource = "a.dev/x"\npath = "/dev/x"\ncolour = 1\n')
+    os.chmod(path, 0o666)
+    with pytest.raises(ConfigError) as e:
+        config.load(str(path), required=True)
+    errs = e.value.errors
+    assert errs[0].startswith(f"{path}: not trusted: {path} is writable by its group and others (owner ")
+    assert any('unknown key "colour"' in x for x in errs), errs
+    out, err = io.StringIO(), io.StringIO()
+    assert check.check_config(str(path), out, required=True, err=err) == config.EX_CONFIG
+    assert "not trusted" in err.getvalue() and "mode 0666" in err.getvalue()
+
+
+# --- the table of a pattern's units ------------------------------------------------------------
+
+
+@needs_root
+def test_units_come_and_go_one_by_one_and_ids_follow_the_path(tmp_path):
+    dev = tmp_path / "dev"
+    for i in range(3):
+        mknod(dev, f"ttyUSB{i}", 188, i)
+    t = devices.table(Device("a.dev/s", "/dev/ttyUSB*"), str(dev), str(tmp_path / "nosys"))
+    changes, changed, units = look(t)
+    assert changed and units == {f"ttyUSB{i}": (f"/dev/ttyUSB{i}", True) for i in range(3)}
+    assert [c.message for c in changes if c.level >= logging.INFO] == [
+        "3 units from /dev/ttyUSB*: ttyUSB0 (188:0), ttyUSB1 (188:1), ttyUSB2 (188:2)"]
+    assert look(t)[:2] == ([], False)  # nothing new: nothing said, nothing sent
+    os.unlink(dev / "ttyUSB1")
+    changes, changed, units = look(t)
+    assert changed and units["ttyUSB1"] == ("/dev/ttyUSB1", False) and units["ttyUSB0"][1] and units["ttyUSB2"][1]
+    assert [(c.level, c.device) for c in changes] == [(logging.WARNING, "/dev/ttyUSB1")]
+    mknod(dev, "ttyUSB3", 188, 3)
+    changes, changed, units = look(t)
+    assert changed and units["ttyUSB3"] == ("/dev/ttyUSB3", True)
+    assert "/dev/ttyUSB3 appeared; advertising it as unit ttyUSB3" in changes[0].message
+    mknod(dev, "ttyUSB1", 188, 1)
+    assert look(t)[2]["ttyUSB1"] == ("/dev/ttyUSB1", True)
+    assert t.snapshot(7).units == 4 and t.snapshot(7).healthy_units == 4 and t.snapshot(7).healthy
+
+
+@needs_root
+def test_numbers_once_served_are_that_units_until_a_reload(tmp_path):
+    """A container keeps its device rule by number: another node with those numbers (a VFIO group
+    made anew, an adapter re-plugged) is not a second unit; nor is a second link to one node."""
+    dev = tmp_path / "dev"
+    mknod(dev, "ttyUSB0", 188, 0)
+    os.symlink("ttyUSB0", dev / "ttyUSBlink")
+    t = devices.table(Device("a.dev/s", "/dev/ttyUSB*"), str(dev), str(tmp_path / "nosys"))
+    changes, _, units = look(t)
+    assert units == {"ttyUSB0": ("/dev/ttyUSB0", True)}
+    assert any(c.event == "device-conflict" and "the same node as unit ttyUSB0" in c.message for c in changes), changes
+    os.unlink(dev / "ttyUSBlink")
+    os.unlink(dev / "ttyUSB0")
+    look(t)
+    mknod(dev, "ttyUSB5", 188, 0)  # a new node with the numbers ttyUSB0 was served with
+    changes, changed, units = look(t)
+    assert not changed and units == {"ttyUSB0": ("/dev/ttyUSB0", False)}
+    [c] = changes
+    assert c.level == logging.ERROR and c.event == "device-conflict"
+    assert "the node first served as unit ttyUSB0 (/dev/ttyUSB0, missing): not advertised" in c.message
+    assert "a reload accepts it" in c.message
+    mknod(dev, "ttyUSB0", 188, 7)  # ttyUSB0 back with other numbers: not the node first served
+    changes, _, units = look(t)
+    assert units["ttyUSB0"] == ("/dev/ttyUSB0", False) and changes[0].event == "device-changed"
+    assert "not the 188:0 first served as unit ttyUSB0" in changes[0].message
+    t.forget()  # a reload: the nodes there now are accepted
+    changes, changed, units = look(t)
+    assert changed and units == {"ttyUSB0": ("/dev/ttyUSB0", True), "ttyUSB5": ("/dev/ttyUSB5", True)}
+
+
+@needs_root
+def test_companions_travel_with_every_unit_and_a_missing_one_takes_them_all(tmp_path):
+    dev = tmp_path / "dev"
+    vfio_nodes(dev, 12, 13)
+    t = devices.table(Device("a.dev/v", "/dev/vfio/*", companions=("/dev/vfio/vfio",)), str(dev), str(tmp_path / "nosys"))
+    assert look(t)[2] == {"vfio-12": ("/dev/vfio/12", True), "vfio-13": ("/dev/vfio/13", True)}  # vfio is no unit
+    os.unlink(dev / "vfio" / "vfio")
+    changes, changed, units = look(t)
+    assert changed and not any(h for _, h in units.values()) and not t.healthy
+    assert changes[0].message.startswith("companion /dev/vfio/vfio is missing") and changes[0].device == "/dev/vfio/vfio"
+    mknod(dev, "vfio/vfio", 10, 196)
+    assert all(h for _, h in look(t)[2].values())
+
+
+@needs_root
+def test_vfio_groups_carry_their_numa_node_and_a_noiommu_group_is_refused(tmp_path):
+    dev = tmp_path / "dev"
+    vfio_nodes(dev, 12, 13, "noiommu-0")
+    sys_root = fake_vfio_sysfs(tmp_path / "sys", {12: (0, 1, "0000:3b:00.0"), 13: (1, -1, "0000:af:00.0"),
+                                                  "noiommu-0": (2, 0, None)})
+    t = devices.table(Device("a.dev/v", "/dev/vfio/*", companions=("/dev/vfio/vfio",)), str(dev), sys_root)
+    changes, _, _ = look(t)
+    snap = t.snapshot(1)
+    assert snap.by_id["vfio-12"].numa == (1,) and snap.by_id["vfio-13"].numa == ()  # -1: sysfs does not know
+    assert set(snap.by_id) == {"vfio-12", "vfio-13"}
+    refused = [c for c in changes if c.event == "device-refused"]
+    assert len(refused) == 1 and refused[0].level == logging.ERROR and refused[0].device == "/dev/vfio/noiommu-0"
+    assert "a VFIO group without an IOMMU" in refused[0].message and refused[0].message.endswith("; not advertised")
+    (d12,) = [d for d in snap.response.devices if d.ID == "vfio-12"]
+    assert [n.ID for n in d12.topology.nodes] == [1]
+    (d13,) = [d for d in snap.response.devices if d.ID == "vfio-13"]
+    assert not d13.HasField("topology")
+    rows = {r.path: r for r in t.listing()}
+    assert rows["/dev/vfio/12"].pci == ("0000:3b:00.0",) and rows["/dev/vfio/12"].device_number == "243:0"
+    assert not rows["/dev/vfio/noiommu-0"].allowed and rows["/dev/vfio/noiommu-0"].id is None
+    assert rows["/dev/vfio/vfio"].role == "companion" and rows["/dev/vfio/vfio"].state == "ok"
+
+
+def test_a_usb_adapters_numa_node_is_its_controllers(tmp_path):
+    """The nearest ancestor in sysfs with a numa_node says where a node's hardware sits."""
+    sys_root = tmp_path / "sys"
+    pci = sys_root / "devices" / "pci0000:00" / "0000:00:14.0"
+    tty = pci / "usb1" / "1-2" / "1-2:1.0" / "ttyUSB0"
+    tty.mkdir(parents=True)
+    (pci / "numa_node").write_text("1\n")
+    (sys_root / "dev" / "char" / "188:0").mkdir(parents=True)
+    os.symlink(tty.parent, sys_root / "dev" / "char" / "188:0" / "device")
+    node = devices.policy.Node("/dev/ttyUSB0", "/dev/ttyUSB0", "char", 188, 0)
+    assert patterns.placement(node, str(sys_root)) == ((1,), ())
+    (pci / "numa_node").write_text("-1\n")
+    assert patterns.placement(node, str(sys_root)) == ((), ())
+
+
+# --- snapshots and the preferred allocation ---------------------------------------------------
+
+
+def test_a_snapshot_counts_its_units_and_the_healthy_ones():
+    shared = devices.Snapshot(Device("a.dev/kvm", "/dev/kvm", 8), True, 1)
+    assert (shared.units, shared.healthy_units, shared.by_id) == (8, 8, None)
+    assert devices.Snapshot(Device("a.dev/kvm", "/dev/kvm", 8), False, 1).healthy_units == 0
+    units = (patterns.Unit("a", "/dev/a", True, (0,)), patterns.Unit("b", "/dev/b", False))
+    snap = devices.Snapshot(Device("a.dev/x", "/dev/*"), False, 2, units=units)
+    assert (snap.units, snap.healthy_units, snap.healthy) == (2, 1, True)  # healthy: at least one unit is
+    again = snap.again()
+    assert again is not snap and again.by_id == snap.by_id and again.ids == {"a", "b"}
+    assert not devices.Snapshot(Device("a.dev/x", "/dev/*"), True, 3, units=()).healthy
+
+
+NUMA = {"n0-a": (0,), "n0-b": (0,), "n1-a": (1,), "n1-b": (1,), "n1-c": (1,), "none": ()}
+
+
+@pytest.mark.parametrize("must,size,expected", [
+    ([], 1, ["n0-a"]),  # a node that fits with the least to spare
+    ([], 2, ["n0-a", "n0-b"]),
+    ([], 3, ["n1-a", "n1-b", "n1-c"]),  # the only node with three
+    (["n1-b"], 2, ["n1-b", "n1-a"]),  # beside the unit that must be given
+    ([], 4, ["n1-a", "n1-b", "n1-c", "n0-a"]),  # no node has four: as few nodes as can be
+    ([], 6, ["n1-a", "n1-b", "n1-c", "n0-a", "n0-b", "none"]),
+])
+def test_the_preferred_allocation_keeps_a_container_on_one_numa_node(must, size, expected):
+    available = ["none", "n1-c", "n0-b", "n1-a", "n0-a", "n1-b"]  # kubelet's order is a map's
+    assert patterns.preferred(available, must, size, lambda i: NUMA[i]) == expected
+
+
+@needs_root
+def test_check_lists_every_node_and_a_missing_companion_is_a_problem(tmp_path):
+    import json
+
+    dev = tmp_path / "dev"
+    vfio_nodes(dev, 12, 13)
+    os.unlink(dev / "vfio" / "vfio")
+    cfg = load(tmp_path, '[[device]]\nresource = "a.dev/v"\npath = "/dev/vfio/[0-9]*"\ncompanions = ["/dev/vfio/vfio"]\n'
+                         '[[device]]\nresource = "a.dev/kvm"\npath = "/dev/kvm"\ncompanions = ["/dev/vhost-net"]\n',
+               dev_root=dev)
+    mknod(dev, "kvm", 10, 232)
+
+    def doc():
+        out = io.StringIO()
+        check.run(cfg, out, unit=lambda: None, as_json=True)
+        return json.loads(out.getvalue())
+
+    found = doc()
+    vfio, kvm = found["devices"]
+    assert [(n["id"], n["role"], n["device_number"], n["present"]) for n in vfio["nodes"]] == [
+        ("vfio-12", "unit", "243:0", True), ("vfio-13", "unit", "243:1", True), (None, "companion", None, False)]
+    assert vfio["units"] == 0 and kvm["nodes"][1]["role"] == "companion" and not kvm["nodes"][1]["present"]
+    problems = {(f["subject"], f["message"]) for f in found["findings"] if f["status"] == "problem" and f["check"] == "device"}
+    assert problems == {("a.dev/v", f"companion {dev}/vfio/vfio: missing"), ("a.dev/kvm", f"companion {dev}/vhost-net: missing")}
+    mknod(dev, "vfio/vfio", 10, 196)
+    mknod(dev, "vhost-net", 10, 238)
+    found = doc()
+    assert found["devices"][0]["units"] == 2
+    assert not [f for f in found["findings"] if f["check"] == "device" and f["status"] != "ok"], found["findings"]
