@@ -20,6 +20,7 @@ strings, quoting and headers and silently points at wrong lines when it errs;
 this way a line is either the parser's or absent.
 """
 
+import functools
 import os
 import re
 import stat
@@ -78,6 +79,7 @@ class Device(NamedTuple):
         return f"{os.path.basename(self.path)}-{n}"
 
 
+@functools.lru_cache(maxsize=256)  # the loop looks at every node on every wake-up
 def host_path(path: str, dev_root: str = "/dev") -> str:
     """Where a node pods see as `path` is looked up on this host.
 

@@ -381,3 +381,20 @@ def test_describe_says_the_state_in_words():
     unserved = r._replace(state=State.UNSERVED, serve_error="ate.dev/kvm: cannot serve on /x: Read-only file system",
                           refused_streams=0)
     assert describe(unserved, 20.0, 0.0) == "not served: Read-only file system"
+
+
+def test_kubelet_behind_our_newest_list_is_not_a_lost_registration_unless_it_stays_behind():
+    """Found by the simulation: a pattern's node went and came back while kubelet was slow to
+    take in our lists; pod-resources listed 4 of the 3 we then had, twice, and the check took
+    that for a lost registration. Some of ours counted is kubelet behind, not kubelet without us."""
+    out = []
+    c = CountCheck(NAME, out)
+    assert c.on_answer(0.0, Listing.LISTED, 4, 3) is False and c.agreement is Agreement.BEHIND
+    assert c.on_answer(0.5, Listing.LISTED, 4, 3) is False and c.deadline == 0.5 + count_check.CONFIRM_S
+    c.soon(1.0)  # another list: catching up starts again
+    assert c.on_answer(count_check.BEHIND_LIMIT_S, Listing.LISTED, 2, 3) is False
+    assert c.on_answer(2 * count_check.BEHIND_LIMIT_S, Listing.LISTED, 2, 3) is True  # behind for too long
+    assert of(out, m.Say)[-1].kind == "not-counted"
+    c2 = CountCheck(NAME, [])
+    c2.on_answer(0.0, Listing.LISTED, 0, 3)
+    assert c2.on_answer(0.5, Listing.LISTED, 0, 3) is True  # none of ours, twice: lost at once

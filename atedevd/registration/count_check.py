@@ -3,9 +3,11 @@
 kubelet lists in pod-resources only the device IDs it holds healthy: all of them
 while all is well; none after the plugin was disconnected, while an endpoint is
 stopped, after the grace period, and after a kubelet restart until the plugin
-registers. So "we send N healthy units, kubelet lists another number", seen
-twice 0.5 s apart, is a lost registration. It never gives up: the
-re-registrations it drives back off (30 s, 60 s, 120 s, then every 5 minutes).
+registers. So "we send healthy units, kubelet lists none", seen twice 0.5 s
+apart, is a lost registration. Another number than ours, not none, is a kubelet
+that has not yet taken our newest list in (a pattern's node came or went): that
+is lost only if it lasts BEHIND_LIMIT_S. It never gives up: the re-registrations
+it drives back off (30 s, 60 s, 120 s, then every 5 minutes).
 """
 
 import enum
@@ -17,14 +19,16 @@ from atedevd.registration.messages import Listing, Say
 FIRST_S = 0.25  # kubelet has our first list (or a new one): ask this soon ...
 CONFIRM_S = 0.5  # ... again this soon when kubelet's count differs from ours ...
 EVERY_S = 60.0  # ... and otherwise this often (kubelet's grace for a lost plugin is 5 min)
+BEHIND_LIMIT_S = 10.0  # kubelet counts some of ours, not all: behind our newest list, for this long at most
 BACKOFF_S = (0.0, 30.0, 60.0, 120.0, 300.0)  # between re-registrations the check drives
 
 
 class Agreement(enum.Enum):
     UNKNOWN = "unknown"  # not asked yet, or not answered
     AGREES = "agrees"  # kubelet counts what we send
-    DOUBTED = "doubted"  # one count differed: asked again soon
-    LOST = "lost"  # differed twice: the machine registers again
+    BEHIND = "behind"  # kubelet counts some of ours, not our newest list's: asked again soon
+    DOUBTED = "doubted"  # kubelet counted none of ours once: asked again soon
+    LOST = "lost"  # none twice, or behind too long: the machine registers again
 
 
 class CountCheck:
@@ -38,11 +42,13 @@ class CountCheck:
         self.kubelet_count: Optional[int] = None  # what it listed last
         self._reregistered = 0  # re-registrations it drove, in a row
         self._reregistered_at: Optional[float] = None
+        self._behind_since: Optional[float] = None
 
     def soon(self, now: float) -> None:
         """kubelet has a new device list of ours: its count follows; look again soon."""
         if self.agreement is Agreement.DOUBTED:
             self.agreement = Agreement.UNKNOWN
+        self._behind_since = None  # the new list is the one to catch up with
         self.deadline = now + FIRST_S
 
     def first_list(self, now: float) -> None:
@@ -56,6 +62,7 @@ class CountCheck:
     def registered(self) -> None:
         if self.agreement is Agreement.DOUBTED:
             self.agreement = Agreement.UNKNOWN
+        self._behind_since = None
 
     def on_answer(self, now: float, listing: Listing, count: int, expected: int) -> bool:
         """The answer to the check's question; True when the registration is lost (register again)."""
@@ -64,10 +71,16 @@ class CountCheck:
             return False
         self.kubelet_count = count
         if count == expected or expected == 0:
-            self.agreement, self._reregistered = Agreement.AGREES, 0
+            self.agreement, self._reregistered, self._behind_since = Agreement.AGREES, 0, None
             self.deadline = now + EVERY_S
             return False
-        if self.agreement is not Agreement.DOUBTED:
+        if count > 0:  # kubelet counts us, from an older list than our newest
+            if self._behind_since is None:
+                self._behind_since = now
+            if now - self._behind_since < BEHIND_LIMIT_S:
+                self.agreement, self.deadline = Agreement.BEHIND, now + CONFIRM_S
+                return False
+        elif self.agreement is not Agreement.DOUBTED:
             self.agreement = Agreement.DOUBTED
             self.deadline = now + CONFIRM_S
             return False

@@ -127,8 +127,11 @@ class Registration:
 
     def _publish(self, now: float, e: m.Publish) -> None:
         self.moves.units, self.moves.healthy_units = e.units, e.healthy_units
-        if self.moves.state is State.REGISTERED and self.questions.asked is Question.NONE:  # kubelet's count follows: look again soon
-            self.check.soon(now)
+        if self.moves.state is State.REGISTERED:  # kubelet's count follows: look again soon, afresh
+            if self.questions.asked is Question.CHECK:
+                self.questions.cancel()  # its answer may predate the new list: no verdict on it
+            if self.questions.asked is Question.NONE:
+                self.check.soon(now)
 
     def _reconfigure(self, now: float, e: m.Reconfigure) -> None:
         self.moves.units, self.moves.healthy_units = e.units, e.healthy_units

@@ -91,7 +91,7 @@ class SimHost:
         def answer():
             if not self.d.alive:
                 return
-            got = self.w.kubelet.allocatable(self.d.resource_name)
+            got = self.w.kubelet.allocatable(self.d.node.resources)
             if got == "absent":
                 reply = (Listing.ABSENT, {}, "unimplemented")
             elif got == "refused":
@@ -99,7 +99,7 @@ class SimHost:
             elif got == "exhausted":
                 reply = (Listing.EXHAUSTED, {}, "RESOURCE_EXHAUSTED: rejected by rate limit")
             else:
-                reply = (Listing.LISTED, {self.d.resource_name: got}, None)
+                reply = (Listing.LISTED, got, None)
             self.w.after(self.w.delay(), self._deliver, partial(done, *reply))
         self.w.after(self.w.delay(), answer)
         return _NoCall()
@@ -139,6 +139,7 @@ class SimServer:
         self.snapshot = None
         self.conns: List = []
         self.streams: List = []
+        self._sent_at: dict = {}  # stream -> when its last message reaches kubelet
         self._primary = False
 
     # the performer's side (atedevd/plugin.py's PluginServer)
@@ -200,8 +201,11 @@ class SimServer:
         return True
 
     def _send(self, c) -> None:
-        healthy = self.snapshot.healthy_units
-        self.w.after(self.w.delay(), self.w.kubelet.devices_sent, c, healthy)
+        """One ListAndWatch message: it reaches kubelet after a while, and never before an
+        earlier one on the same stream (a stream is in order)."""
+        at = max(self.w.now + self.w.delay(), self._sent_at.get(c, 0.0))
+        self._sent_at[c] = at
+        self.w.after(at - self.w.now, self.w.kubelet.devices_sent, c, self.snapshot.healthy_units)
 
     def kubelet_closed(self, c) -> None:
         """kubelet closed its connection (or died): its stream, if open, ended, not by us."""

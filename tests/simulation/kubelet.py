@@ -25,7 +25,7 @@ DIAL_RETRY_S = 1.0
 
 
 class Client:
-    __slots__ = ("resource", "path", "conn", "streaming", "ended_at", "torn_down", "closed", "n")
+    __slots__ = ("resource", "path", "conn", "streaming", "ended_at", "torn_down", "closed", "n", "knocked_out_by")
 
     def __init__(self, resource: str, path: str, n: int):
         self.resource = resource
@@ -36,6 +36,7 @@ class Client:
         self.torn_down: Optional[float] = None  # when the teardown after its stream ended finished
         self.closed = False
         self.n = n
+        self.knocked_out_by: Optional[str] = None  # the socket whose teardown, by name, disconnected this one
 
     def __repr__(self) -> str:
         return f"client#{self.n}({self.path} streaming={self.streaming} torn_down={self.torn_down})"
@@ -247,6 +248,8 @@ class KubeletModel:
         if not inc.alive:
             return
         self.w.note("kubelet", f"teardown of {c} disconnects {found}")
+        if found is not c:
+            found.knocked_out_by = c.path
         self._deregister(inc, found)
         self._disconnect(found)
         self._plugin_disconnected(inc, c.resource, found.path)
@@ -300,8 +303,8 @@ class KubeletModel:
 
     # --- pod-resources ------------------------------------------------------------------
 
-    def allocatable(self, resource: str):
-        """GetAllocatableResources for one resource: a count, or why there is none."""
+    def allocatable(self, resources):
+        """GetAllocatableResources: {resource: count} for these resources, or why there is none."""
         if not self.pod_resources:
             return "absent"
         inc = self.inc
@@ -315,7 +318,7 @@ class KubeletModel:
             self.exhausted += 1
             return "exhausted"
         inc.tokens -= 1.0
-        return inc.healthy.get(resource, 0) if resource in inc.endpoints else 0
+        return {r: inc.healthy.get(r, 0) if r in inc.endpoints else 0 for r in resources}
 
     # --- what the checks ask -----------------------------------------------------------
 
@@ -356,7 +359,11 @@ class KubeletModel:
                        f"(a node agent polling at {self.agent_rps:g}/s beside us)")
         # A Register in flight when its daemon was killed goes on in kubelet; nothing the next
         # daemon can see tells it apart, so a duplicate it makes is counted, not failed on.
-        dup = [d for d in self.duplicates(resource) if d[0] not in self.w.orphaned]
+        # Nor one that such an orphan's late teardown knocked out (it never streams: the daemon
+        # registers again once its verification runs out).
+        orphaned = self.w.orphaned
+        dup = [(a.path, b.path) for a, b in self.duplicates(resource)
+               if a.path not in orphaned and a.knocked_out_by not in orphaned]
         if dup:
             out.append(f"duplicate Registers in one kubelet process: {dup}")
         return out
@@ -364,4 +371,4 @@ class KubeletModel:
     def duplicates(self, resource: str) -> List[tuple]:
         """Accepted Registers of one process, the second arriving before the first's client was torn down."""
         acc = [a for a in self.inc.accepted if a[0] == resource]
-        return [(a[1], b[1]) for a, b in zip(acc, acc[1:]) if a[3].torn_down is None or a[3].torn_down > b[2]]
+        return [(a[3], b[3]) for a, b in zip(acc, acc[1:]) if a[3].torn_down is None or a[3].torn_down > b[2]]

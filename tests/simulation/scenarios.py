@@ -12,9 +12,12 @@ in one kubelet process, and the daemon itself registered.
 import multiprocessing
 from typing import Callable, Dict, List, Optional, Tuple
 
+import inotify.constants as ic
+
 from atedevd.registration import handover
 from atedevd.registration.messages import State
-from tests.simulation.world import RESOURCE, World
+from atedevd.watch import Event
+from tests.simulation.world import PATTERN_RESOURCE, RESOURCE, UNITS, World, plug, unplug
 
 MODES = ("1.32", "current")
 SETTLE_S = 60.0  # simulated time after the last disturbance (kubelet's grace is 5 min)
@@ -87,6 +90,34 @@ def queue_overflow(w: World) -> None:
     w.after(w.rng.uniform(0, 2.0), restart)
 
 
+def unit_unplugged_and_back(w: World) -> None:
+    """One node of the pattern resource goes, and comes back 0-1.5 s later: its unit turns
+    Unhealthy and Healthy again on the open stream (the daemon learns it from the dev root's
+    directory events), and the resource is not registered again."""
+    n, before = w.rng.randrange(UNITS), []
+
+    def accepted():
+        return len([a for a in w.kubelet.inc.accepted if a[0] == PATTERN_RESOURCE])
+
+    def event(mask):
+        d = w.daemon
+        if d is not None:
+            w.after(w.delay(), d.fs_events, [Event(w.dev_root, f"unit{n}", mask)])
+
+    def out():
+        before.append(accepted())
+        unplug(n)
+        event(ic.IN_DELETE)
+        w.after(w.rng.uniform(0, 1.5), back)
+
+    def back():
+        plug(n)
+        event(ic.IN_CREATE)
+    w.after(w.rng.uniform(0, 2.0), out)
+    w.checks.append(lambda: [f"{PATTERN_RESOURCE} registered again {accepted() - before[0]} time(s) for a unit's node"
+                             for _ in before if accepted() != before[0]])
+
+
 def kubelet_restart_during_daemon_restart(w: World) -> None:
     w.after(w.rng.uniform(0, 1.0), w.restart_daemon, w.rng.choice(("sigterm", "kill")))
     _kubelet_restart(w, 0.2)
@@ -104,6 +135,7 @@ SCENARIOS: Dict[str, Callable[[World], None]] = {
     "sighup-unchanged": reload_unchanged,
     "inotify-queue-overflow": queue_overflow,
     "kubelet-and-daemon-restart": kubelet_restart_during_daemon_restart,
+    "unit-unplugged-and-back": unit_unplugged_and_back,
 }
 
 
@@ -112,10 +144,11 @@ def end_state(w: World) -> List[str]:
     problems = []
     if d is None or not d.alive:
         return ["the daemon is not running"]
-    if d.state is not State.REGISTERED:
-        problems.append(f"the daemon is {d.state.value}, not registered")
-    problems += w.kubelet.problems(RESOURCE, w.count, d.current_socket())
-    return problems
+    for resource, expected in ((RESOURCE, w.count), (PATTERN_RESOURCE, UNITS)):
+        if d.state(resource) is not State.REGISTERED:
+            problems.append(f"{resource}: the daemon is {d.state(resource).value}, not registered")
+        problems += [f"{resource}: {p}" for p in w.kubelet.problems(resource, expected, d.current_socket(resource))]
+    return problems + [p for check in w.checks for p in check()]
 
 
 def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep: bool = False,

@@ -10,8 +10,12 @@ random delay on the world's clock. Directory events reach the daemon in
 batches of random size, in order, as inotify's `watch.Event`s.
 """
 
+import atexit
 import heapq
+import os
 import random
+import shutil
+import tempfile
 from typing import Dict, List, Optional
 
 import inotify.constants as ic
@@ -24,9 +28,34 @@ from tests.simulation.host import KUBELET_SOCK, PLUGIN_DIR, SimHost, SimServer
 from tests.simulation.kubelet import KubeletModel
 
 RESOURCE = "ate.dev/kvm"
-# A character device every machine has and the device policy allows: the daemon's own look
-# at its node is real (a stat), and always finds it present.
-DEVICE_PATH = "/dev/null"
+# A pattern resource beside it: one exclusive unit per node matching PATTERN.
+PATTERN_RESOURCE = "ate.dev/unit"
+PATTERN = "/dev/unit*"
+# The daemon's own look at its nodes is real: links, in a dev root of the process's own, to
+# character devices every machine has and the device policy allows (nothing is opened).
+_NODES = {"null": "/dev/null", "unit0": "/dev/zero", "unit1": "/dev/full", "unit2": "/dev/random", "unit3": "/dev/urandom"}
+UNITS = 4
+_dev_root: Optional[str] = None
+
+
+def dev_root() -> str:
+    """This process's dev root, every node in place (a scenario may unplug one)."""
+    global _dev_root
+    if _dev_root is None:
+        _dev_root = tempfile.mkdtemp(prefix="atedevd-sim-dev-")
+        atexit.register(shutil.rmtree, _dev_root, True)
+    for name, target in _NODES.items():
+        if not os.path.islink(os.path.join(_dev_root, name)):
+            os.symlink(target, os.path.join(_dev_root, name))
+    return _dev_root
+
+
+def unplug(n: int) -> None:
+    os.unlink(os.path.join(_dev_root, f"unit{n}"))
+
+
+def plug(n: int) -> None:
+    os.symlink(_NODES[f"unit{n}"], os.path.join(_dev_root, f"unit{n}"))
 _MASKS = {"create": ic.IN_CREATE, "delete": ic.IN_DELETE, "moved_to": ic.IN_MOVED_TO}
 
 
@@ -43,6 +72,8 @@ class World:
         self.kubelet = KubeletModel(self, mode, pod_resources, agent_rps)
         self.count = count
         self.connections_visible = connections_visible
+        self.dev_root = dev_root()  # every unit plugged in
+        self.checks: list = []  # a scenario's own end-state checks: each returns problems
         self.orphaned: set = set()  # sockets named in a Register that was in flight when its daemon was killed
         self.daemon: Optional["Daemon"] = None
         self.daemons = 0
@@ -191,9 +222,8 @@ class Daemon:
         self.n = n
         self.count = count
         self.alive = True
-        self.resource_name = RESOURCE
         self.host = SimHost(world, self)
-        self.node = Node(PLUGIN_DIR, "/dev", "/sys", self.host, f"d{n}", lambda path, error: False)
+        self.node = Node(PLUGIN_DIR, world.dev_root, "/sys", self.host, f"d{n}", lambda path, error: False)
         self.on_exit = None
         self._wake_at: Optional[float] = None
 
@@ -201,8 +231,11 @@ class Daemon:
     def resource(self):
         return self.node.resources[RESOURCE]
 
+    def devices(self, count: int) -> List[Device]:
+        return [Device(RESOURCE, "/dev/null", count), Device(PATTERN_RESOURCE, PATTERN)]
+
     def servers(self) -> List[SimServer]:
-        return list(self.resource.performer.servers.values()) if RESOURCE in self.node.resources else []
+        return [s for r in self.node.resources.values() for s in r.performer.servers.values()]
 
     # --- the process: what Daemon.run, its signals and its loop do ---------------------------------
 
@@ -212,7 +245,7 @@ class Daemon:
             if isinstance(s, SimServer) and not s.serving:  # an earlier run's leftover
                 fs.remove(s)
         self.node.kubelet.refresh(created=False, events_lost=True)
-        self.node.apply([Device(RESOURCE, DEVICE_PATH, self.count)], "/dev", "/sys", self.w.now)
+        self.node.apply(self.devices(self.count), self.w.dev_root, "/sys", self.w.now)
         self.node.reconcile(self.w.now)
         self.woke()
 
@@ -225,7 +258,7 @@ class Daemon:
         """SIGHUP: a changed resource is served anew; an unchanged one is not touched."""
         self.count = count
         self.node.accept_nodes()
-        self.node.apply([Device(RESOURCE, DEVICE_PATH, count)], "/dev", "/sys", self.w.now)
+        self.node.apply(self.devices(count), self.w.dev_root, "/sys", self.w.now)
         self.node.reconcile(self.w.now)
         self.woke()
 
@@ -234,15 +267,14 @@ class Daemon:
         self.alive = False
         # A registration in progress goes on in kubelet. Unless kubelet already listed its
         # devices, its teardown will not show in pod-resources: no later process can see it.
-        machine, servers = self.resource.machine, self.resource.performer.servers
-        book = machine.book
-        call = machine.attempts.call
-        for sid in ([call.sid] if call is not None else []) + \
-                ([book.current] if book.current is not None and not book.listed_seen else []):
-            if sid in servers:
-                self.w.orphaned.add(servers[sid].name)
-        for s in servers.values():
-            s.stop(unlink=False)
+        for r in self.node.resources.values():
+            book, call, servers = r.machine.book, r.machine.attempts.call, r.performer.servers
+            for sid in ([call.sid] if call is not None else []) + \
+                    ([book.current] if book.current is not None and not book.listed_seen else []):
+                if sid in servers:
+                    self.w.orphaned.add(servers[sid].name)
+            for s in servers.values():
+                s.stop(unlink=False)
 
     def fs_events(self, batch: List[Event]) -> None:
         if self.alive:
@@ -271,11 +303,11 @@ class Daemon:
 
     # --- for the checks ---------------------------------------------------------------------
 
-    @property
-    def state(self) -> State:
-        return self.resource.state
+    def state(self, resource: str = RESOURCE) -> State:
+        return self.node.resources[resource].state
 
-    def current_socket(self) -> Optional[str]:
-        current = self.resource.machine.book.current
-        s = self.resource.performer.servers.get(current) if current is not None else None
+    def current_socket(self, resource: str = RESOURCE) -> Optional[str]:
+        r = self.node.resources[resource]
+        current = r.machine.book.current
+        s = r.performer.servers.get(current) if current is not None else None
         return s.name if s else None
