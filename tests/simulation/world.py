@@ -36,13 +36,15 @@ PATTERN = "/dev/unit*"
 _NODES = {"null": "/dev/null", "unit0": "/dev/zero", "unit1": "/dev/full", "unit2": "/dev/random", "unit3": "/dev/urandom"}
 UNITS = 4
 _dev_root: Optional[str] = None
+_dev_root_pid: Optional[int] = None
 
 
 def dev_root() -> str:
-    """This process's dev root, every node in place (a scenario may unplug one)."""
-    global _dev_root
-    if _dev_root is None:
-        _dev_root = tempfile.mkdtemp(prefix="atedevd-sim-dev-")
+    """This process's dev root, every node in place (a scenario may unplug one). A forked
+    worker makes its own: rounds in two processes must not unplug each other's nodes."""
+    global _dev_root, _dev_root_pid
+    if _dev_root_pid != os.getpid():
+        _dev_root, _dev_root_pid = tempfile.mkdtemp(prefix="atedevd-sim-dev-"), os.getpid()
         atexit.register(shutil.rmtree, _dev_root, True)
     for name, target in _NODES.items():
         if not os.path.islink(os.path.join(_dev_root, name)):
