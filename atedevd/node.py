@@ -10,7 +10,7 @@ served match what exists. All I/O goes through the host.
 
 import logging
 import os
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence
+from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence
 
 import inotify.constants as ic
 
@@ -29,12 +29,13 @@ _MADE = ic.IN_CREATE | ic.IN_MOVED_TO
 
 
 class DirectoryNews(NamedTuple):
-    """What one batch of watcher events means for registration."""
+    """What one batch of watcher events means for registration, and for the devices."""
 
     kubelet_created: bool  # kubelet.sock was (re)created
     events_lost: bool  # events may be missing (overflow, a watched directory came or went)
     overflowed: bool  # the kernel's queue overflowed
     from_kubelet: bool  # anything happened in kubelet's directory that is not ours
+    directories: FrozenSet[str]  # where anything happened (a device's nodes may have come or gone)
 
 
 def interpret(events: Iterable, plugin_dir: str, resources: Iterable[str]) -> DirectoryNews:
@@ -43,14 +44,16 @@ def interpret(events: Iterable, plugin_dir: str, resources: Iterable[str]) -> Di
     plugin_dir = os.path.normpath(plugin_dir)
     ours = tuple(sockets.prefix(n) + "." for n in resources) + (sockets.STANDBY_DIR,)
     created = lost = overflowed = news = False
+    directories = set()
     for ev in events:
+        directories.add(ev.directory)
         overflowed |= ev.is_(ic.IN_Q_OVERFLOW)
         lost |= ev.is_(_LOST_EVENTS) or (ev.is_(ic.IN_ISDIR) and ev.is_(_MADE))
         if ev.directory != plugin_dir or ev.name.startswith(ours):
             continue
         news = True
         created |= ev.name == KUBELET_SOCKET and ev.is_(_MADE)
-    return DirectoryNews(created, lost, overflowed, news)
+    return DirectoryNews(created, lost, overflowed, news, frozenset(directories))
 
 
 class Node:
@@ -102,6 +105,8 @@ class Node:
             return news
         self.look_at_kubelet(now, news.kubelet_created, news.events_lost)
         for r in self.resources.values():
+            if news.events_lost or not news.directories.isdisjoint(r.directories):
+                r.nodes_may_have_changed()
             r.check_sockets(now)
             if news.from_kubelet or news.events_lost:  # any news from kubelet's side cuts a retry wait short
                 r.nudge(now)
@@ -138,7 +143,7 @@ class Node:
         began = False
         dir_ok = self.host.isdir(self.plugin_dir)
         for r in self.resources.values():
-            r.look_at_device()
+            r.look_at_device(now)
             if not dir_ok:
                 r.unserve(now, "the plugin directory is gone")
             elif r.advertised:

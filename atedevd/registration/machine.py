@@ -83,12 +83,14 @@ class Registration:
         return {timer: deadline(self) for timer, deadline, _ in _TIMERS}
 
     def get_timer(self) -> Optional[float]:
-        """When `handle_timer` is due next (the loop asks after every wake-up)."""
-        times = [t for t in (deadline(self) for _, deadline, _ in _TIMERS) if t is not None]
+        """When `handle_timer` is due next (the loop asks after every wake-up: no table walk)."""
+        a = self.attempts
+        times = [t for t in (a.deadline, a.verify_by, self.book.deadline, self.moves.serve_at, self.handover.deadline,
+                             self.check.deadline, self.questions.deadline, self.tally.deadline) if t is not None]
         return min(times) if times else None
 
     def timer_due(self, timer: Timer, now: float) -> bool:
-        at = self.deadlines()[timer]
+        at = _DEADLINE[timer](self)
         return at is not None and at <= now
 
     def handle_timer(self, now: float) -> None:
@@ -384,6 +386,7 @@ _TIMERS = (
     (Timer.ASK, lambda r: r.questions.deadline, Registration._timer_ask),
     (Timer.WARN, lambda r: r.tally.deadline, Registration._timer_warn),
 )
+_DEADLINE = {timer: deadline for timer, deadline, _ in _TIMERS}
 _HANDLERS = {
     m.Serve: Registration._serve, m.Unserve: Registration._unserve, m.Publish: Registration._publish,
     m.Reconfigure: Registration._reconfigure, m.Stop: Registration._stop, m.CloseAll: Registration._close,
