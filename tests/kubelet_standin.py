@@ -140,6 +140,7 @@ class Client:
         self.streaming = False  # the ListAndWatch call is open
         self.connected = False  # ... and its first message has arrived
         self.closed = False  # Disconnect() closed the connection
+        self.closed_at: Optional[float] = None  # ... and when its close returned
         self.stream_started_at: Optional[float] = None
         self.stream_ended_at: Optional[float] = None
         self.torn_down_at: Optional[float] = None  # the teardown after its stream ended finished
@@ -187,13 +188,16 @@ class Client:
             stream.cancel()
 
     def disconnect(self) -> None:
-        """c.Disconnect(): close the connection if dialed (ends its stream); the caller then
-        tells the device manager (PluginDisconnected)."""
+        """c.Disconnect(): close the connection if dialed (ends its stream), at once, as Go's
+        conn.Close() does; the caller then tells the device manager (PluginDisconnected), so
+        the plugin sees its connection gone before kubelet marks the devices unhealthy."""
         with self.inc.kubelet.cond:
             channel, self.channel = self.channel, None
             self.closed = True
         if channel is not None:
-            _close(channel)
+            channel.close()
+            with self.inc.kubelet.cond:
+                self.closed_at = time.monotonic()
 
 
 class _Incarnation:
@@ -553,9 +557,7 @@ class Kubelet:
                 raise KubeletError("kubelet is shutting down")
             channel = grpc.insecure_channel("unix:" + path, options=_DIAL_OPTIONS)
             inc.channels.add(channel)
-        try:
-            grpc.channel_ready_future(channel).result(timeout=self.dial_timeout)
-        except grpc.FutureTimeoutError:
+        if not _dial(channel, self.dial_timeout):
             _close(channel)
             raise KubeletError("failed to dial device plugin: context deadline exceeded")
         return channel
@@ -1318,8 +1320,40 @@ def _invalid(request) -> Optional[str]:
     return None
 
 
+def _dial(channel: grpc.Channel, timeout: float) -> bool:
+    """grpc.DialContext(..., WithBlock()): until the channel is connected (True) or `timeout`
+    seconds have passed (False).
+
+    Not grpc.channel_ready_future: its connectivity poller watches the channel in 0.2 s
+    steps and lingers for one more step after the channel is ready, and a close() waits for
+    that watch to come due (grpc's cygrpc `_close`: "TODO: Cancel connectivity watching"), so
+    a connection closed within 0.2 s of its dial stayed open up to 0.2 s longer, where Go's
+    kubelet closes it at once. Watched here one state change at a time instead, nothing is
+    left pending once it is ready, and close() takes a tenth of a millisecond. Through the
+    channel's core object (grpc's own poller uses the same two calls); a grpc without them
+    gets the ready future and its linger."""
+    core = getattr(channel, "_channel", None)
+    if not (hasattr(core, "check_connectivity_state") and hasattr(core, "watch_connectivity_state")):
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+    from grpc._cython import cygrpc
+
+    deadline = time.time() + timeout  # the core's deadlines are on the realtime clock
+    state = core.check_connectivity_state(True)
+    while state != cygrpc.ConnectivityState.ready:
+        if time.time() >= deadline:
+            return False
+        core.watch_connectivity_state(state, deadline)  # returns at the next change, or the deadline
+        state = core.check_connectivity_state(True)  # try again after a failure (Go's WithBlock retries)
+    return True
+
+
 def _close(channel: grpc.Channel) -> None:
-    # grpc's close takes ~0.2 s (its poller's period); kubelet does not wait for it
+    """Close in the background, for a kill dropping every connection at once (a close
+    waits until the channel's open calls are cancelled and drained)."""
     threading.Thread(target=channel.close, daemon=True).start()
 
 
@@ -1327,7 +1361,7 @@ def _close_client_channel(c: Client) -> None:
     with c.inc.kubelet.cond:
         channel, c.channel, c.stub = c.channel, None, None
     if channel is not None:
-        _close(channel)
+        channel.close()
 
 
 def _t(at: Optional[float], t0: float) -> str:

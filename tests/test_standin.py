@@ -10,6 +10,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -18,7 +19,8 @@ import inotify.constants as c
 import pytest
 
 from atedevd.api import API_VERSION, RegistrationStub, device_plugin_handler, pb
-from tests.kubelet_standin import DOWN, KUBELET_SOCKET, Kubelet
+from atedevd.sockets import held_connections
+from tests.kubelet_standin import DOWN, KUBELET_SOCKET, MODES, Kubelet
 
 RESOURCE = "example.com/thing"
 
@@ -235,6 +237,59 @@ def test_admission_follows_the_device_manager(plugin_dir, plugin, mode):
     assert total > 0 and spells == 1 and reasons == [f"no healthy devices present; cannot allocate unhealthy devices {RESOURCE}"], log.transitions
     down = next(at for at, s, _ in log.transitions if s == "down")
     assert log.rejected(admitted, down) == (0.0, 0, []) and log.samples > 0
+
+
+LET_GO_BOUND_S = 0.1  # behavioural, generous: about 1 ms here, up to 0.2 s before (see the test)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ended_by", ["plugin", "kubelet"])
+def test_a_stream_end_lets_go_of_the_connection_at_once(plugin_dir, plugin, mode, ended_by):
+    """kubelet's teardown after a stream ends, in Go's order: deregister, close the connection
+    (Close() returns once it is closed), then mark the devices unhealthy; a Go kubelet does it
+    all within 0.1-2.3 ms. Whoever ended the stream, at the moment the devices go unhealthy
+    (looked at under the stand-in's lock, as the change is made) the client's close has
+    returned, and the plugin's server sees no connection from kubelet well within
+    LET_GO_BOUND_S of the stream's end. The stream ends right after the dial, where a
+    Python gRPC channel used to stay connected up to 0.2 s longer (the connectivity poller
+    of grpc.channel_ready_future, whose last watch a close waits for)."""
+    k = Kubelet(plugin_dir, kubelet=mode)
+    k.start()
+    at_unhealthy = []
+
+    def look():  # with the lock held, at every change
+        if client is not None and not at_unhealthy and not k.inc.healthy.get(RESOURCE, True):
+            at_unhealthy.append((time.monotonic(), client.closed_at))
+
+    client = None
+    k.cond.on_change.append(look)
+    try:
+        for n in (1, 2):  # the second time on a kubelet that already tore one client down
+            at_unhealthy.clear()
+            p = plugin()
+            register(k, p)
+            assert k.wait_connected(RESOURCE, registrations=n), k.dump()
+            client = k.clients[RESOURCE]
+            assert held_connections([p.path]) == 1
+            ended = time.monotonic()
+            if ended_by == "plugin":
+                p.stopping.set()
+            else:
+                k.drop(RESOURCE)
+            while held_connections([p.path]) and time.monotonic() - ended < 5:
+                time.sleep(0.0002)
+            gone = time.monotonic() - ended
+            assert k.wait(lambda: client.torn_down_at is not None), k.dump()
+            assert len(at_unhealthy) == 1, k.dump()
+            unhealthy, closed = at_unhealthy[0]
+            assert closed is not None and closed <= unhealthy, (closed, unhealthy)
+            assert gone < LET_GO_BOUND_S and unhealthy - ended < LET_GO_BOUND_S, \
+                f"the plugin saw kubelet's connection gone {gone * 1000:.1f} ms after the stream ended, " \
+                f"the devices unhealthy after {(unhealthy - ended) * 1000:.1f} ms"
+            client = None
+    finally:
+        k.cond.on_change.remove(look)
+        k.close()
 
 
 def test_kubelet_sock_beyond_sun_path(tmp_path):
