@@ -42,7 +42,12 @@ descheduled there) widens it. The pod-resources API v1 (GetAllocatableResources,
 is served on `<root>/pod-resources/kubelet.sock`, root being the parent of the
 plugin directory, returning what kubelet returns: the devices in the
 resource's healthy set (which a stop empties and any later ListAndWatch
-message refills), regardless of the endpoint's stop time.
+message refills), regardless of the endpoint's stop time. kubelet rate-limits
+that API (apis/podresources/grpc/ratelimit.go: a token bucket, 100 requests a
+second with a burst of 10, for all clients together, a full bucket per kubelet
+process; the rest fail with ResourceExhausted "rejected by rate limit"): opt-in
+here for now (`rate_limit=KUBELET_RATE_LIMIT`, `serve --rate-limit`), every call
+counted per client either way (`pod_resources_calls`).
 
 Delays can be injected at each step on the kubelet side (`delays`, seconds or
 callables returning seconds): before_dial, after_dial, before_options,
@@ -58,12 +63,13 @@ for the rejection-window benchmark.
 Used in-process by the tests and benchmarks (`Kubelet`), and as a script in the
 systemd container and the demo:
   kubelet_standin.py serve --plugin-dir DIR --state FILE [--kubelet 1.32|current]
-      [--gap S] [--listen-gap S]
+      [--gap S] [--listen-gap S] [--rate-limit]
       (SIGHUP: restart like kubelet; SIGTERM: exit, leaving a stale socket)
   kubelet_standin.py allocate --plugin-dir DIR --resource R --ids a,b
 """
 
 import argparse
+import collections
 import glob
 import json
 import os
@@ -76,7 +82,7 @@ import tempfile
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import grpc
 
@@ -98,6 +104,12 @@ MODES = ("1.32", "current")
 DELAY_STEPS = ("before_dial", "after_dial", "before_options", "before_set_endpoint", "before_return",
                "before_stream", "teardown", "teardown_lookup")
 _DIAL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]  # every dial is a fresh connection, as in Go
+# kubelet's pod-resources limiter (DefaultQPS, DefaultBurstTokens) and its refusal.
+KUBELET_RATE_LIMIT = (100.0, 10)
+RATE_LIMITED = "rejected by rate limit"
+# Off by default until atedevd's let-go wait stays inside the limit (it polls every 5 ms) and
+# takes ResourceExhausted for "ask again later"; then KUBELET_RATE_LIMIT, as kubelet has it.
+RATE_LIMIT_BY_DEFAULT = None
 
 Delay = Union[float, Callable[[], float]]
 
@@ -219,6 +231,8 @@ class _Incarnation:
         self.channels: set = set()
         self.listeners: list = []  # kubelet.sock: a _KubeletSocket or _RenamedSocket
         self.servers: List[grpc.Server] = []  # Registration (first), pod-resources
+        limit = kubelet.rate_limit
+        self.limiter = TokenBucket(*limit) if limit is not None else None  # made with the server: full
 
     # --- the device manager (manager.go), called with the lock held ---------------------
 
@@ -268,12 +282,15 @@ class _Incarnation:
 class Kubelet:
     def __init__(self, plugin_dir: str, kubelet: str = "current", wipe: str = "sockets", on_change=None,
                  grace: float = GRACE_PERIOD_S, delays: Optional[Dict[str, Delay]] = None,
-                 pod_resources: bool = True, dial_timeout: float = DIAL_TIMEOUT_S, listen_gap: Delay = 0.0):
+                 pod_resources: bool = True, dial_timeout: float = DIAL_TIMEOUT_S, listen_gap: Delay = 0.0,
+                 rate_limit: Optional[Tuple[float, int]] = RATE_LIMIT_BY_DEFAULT):
         if kubelet not in MODES:
             raise ValueError(f"kubelet must be one of {MODES}, not {kubelet!r}")
         if not _is_gap(listen_gap):
             raise ValueError(f"listen_gap must be seconds >= 0, a callable returning them or a threading.Event, "
                              f"not {listen_gap!r}")
+        if rate_limit is not None and not (len(rate_limit) == 2 and rate_limit[0] > 0 and rate_limit[1] >= 1):
+            raise ValueError(f"rate_limit must be (requests a second > 0, burst >= 1) or None, not {rate_limit!r}")
         unknown = set(delays or ()) - set(DELAY_STEPS)
         if unknown:
             raise ValueError(f"unknown delay steps {sorted(unknown)}; known: {DELAY_STEPS}")
@@ -287,6 +304,11 @@ class Kubelet:
         self.delays: Dict[str, Delay] = dict(delays or {})
         self.dial_timeout = dial_timeout
         self.listen_gap = listen_gap  # seconds (or a callable) from kubelet.sock's bind to its listen
+        self.rate_limit = rate_limit  # pod-resources: (requests a second, burst), None: unlimited
+        # pod-resources calls: the newest (monotonic time, client, method, answered), and counts of
+        # all of them per client ({"answered": n, "refused": n}); client: _client_of()
+        self.pod_resources_log: Deque[Tuple[float, str, str, bool]] = collections.deque(maxlen=100_000)
+        self.pod_resources_counts: Dict[str, Dict[str, int]] = {}
         self.cond = _Condition()  # an RLock: kubelet's mutexes, never held across a delay or an RPC
         self._started = 0
         self.inc = _Incarnation(self, 0)
@@ -764,6 +786,18 @@ class Kubelet:
         resp = self.get_allocatable_resources()
         return len({i for d in resp.devices if d.resource_name == resource for i in d.device_ids})
 
+    def pod_resources_calls(self, since: float = 0.0) -> Dict[str, Dict[str, int]]:
+        """Pod-resources calls since `since` (monotonic; the newest 100,000), per client:
+        {"answered": n, "refused": n}."""
+        out: Dict[str, Dict[str, int]] = {}
+        with self.cond:
+            log = list(self.pod_resources_log)
+        for at, client, _method, answered in log:
+            if at >= since:
+                counts = out.setdefault(client, {"answered": 0, "refused": 0})
+                counts["answered" if answered else "refused"] += 1
+        return out
+
     def devices(self, resource: str) -> Dict[str, str]:
         """The device manager's view: every known ID of the resource and its health."""
         with self.cond:
@@ -959,8 +993,10 @@ class Kubelet:
                     "allocatable": caps.get(name, (0, 0))[1],
                     "live_streams": sum(1 for x in inc.all_clients if x.resource == name and x.streaming),
                 }
+            calls = {client: dict(counts) for client, counts in self.pod_resources_counts.items()}
             return {"pid": os.getpid(), "mode": self.mode, "restarts": self.restarts, "alive": inc.alive,
-                    "resources": resources}
+                    "resources": resources, "pod_resources_calls": calls,
+                    "rate_limit": list(self.rate_limit) if self.rate_limit else None}
 
     def write_checkpoint(self) -> None:
         """As kubelet does after every ListAndWatch message (called with the lock held):
@@ -1298,15 +1334,64 @@ class _Registration:
 
 
 class _PodResources:
+    """The v1.PodResourcesLister servicer of one kubelet process, behind its limiter."""
+
     def __init__(self, kubelet: Kubelet, inc: _Incarnation):
         self.kubelet = kubelet
         self.inc = inc
 
+    def _admit(self, method: str, context) -> None:
+        """kubelet's LimiterUnaryServerInterceptor: refuse when the bucket is empty; count either way."""
+        answered = self.inc.limiter is None or self.inc.limiter.allow()
+        client = _client_of(context)
+        with self.kubelet.cond:
+            self.kubelet.pod_resources_log.append((time.monotonic(), client, method, answered))
+            counts = self.kubelet.pod_resources_counts.setdefault(client, {"answered": 0, "refused": 0})
+            counts["answered" if answered else "refused"] += 1
+            self.kubelet.cond.notify_all()
+        if not answered:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, RATE_LIMITED)
+
     def GetAllocatableResources(self, request, context):
+        self._admit("GetAllocatableResources", context)
         return self.kubelet.get_allocatable_resources(self.inc)
 
     def List(self, request, context):
+        self._admit("List", context)
         return prpb.ListPodResourcesResponse()  # no pods on this node
+
+
+class TokenBucket:
+    """golang.org/x/time/rate's Limiter as kubelet uses it (Allow): `burst` tokens at first,
+    refilled at `rate` a second up to `burst`; a call takes one or is refused."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic):
+        self.rate = float(rate)
+        self.burst = int(burst)
+        self._clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            if self._tokens >= 1:
+                self._tokens -= 1
+                return True
+            return False
+
+
+def _client_of(context) -> str:
+    """Who made a pod-resources call, for counting: the product of its user-agent
+    (`node-agent` for tests/node_agent.py, `grpc-python` for atedevd and other Python
+    clients that set none). grpc gives a unix socket's peer as "unix:", whoever it is."""
+    for key, value in context.invocation_metadata():
+        if key == "user-agent" and value:
+            return value.split()[0].split("/")[0]
+    return "unknown"
 
 
 def _invalid(request) -> Optional[str]:
@@ -1422,7 +1507,8 @@ def _serve(args) -> int:
             _write_state(args.state, k)
 
     kubelet = Kubelet(args.plugin_dir, kubelet=args.kubelet, on_change=on_change if args.state else None,
-                      grace=args.grace, pod_resources=not args.no_pod_resources, listen_gap=args.listen_gap)
+                      grace=args.grace, pod_resources=not args.no_pod_resources, listen_gap=args.listen_gap,
+                      rate_limit=KUBELET_RATE_LIMIT if args.rate_limit else None)
     restart = threading.Event()
     stop = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: restart.set())
@@ -1483,6 +1569,8 @@ def main(argv=None) -> int:
                    help="seconds between kubelet.sock appearing and kubelet listening on it (Register refused meanwhile)")
     s.add_argument("--grace", type=float, default=GRACE_PERIOD_S, help="seconds a stopped endpoint's resource is kept")
     s.add_argument("--no-pod-resources", action="store_true", help="do not serve <root>/pod-resources/kubelet.sock")
+    s.add_argument("--rate-limit", action=argparse.BooleanOptionalAction, default=RATE_LIMIT_BY_DEFAULT is not None,
+                   help="limit pod-resources as kubelet does: 100 requests a second, burst 10, all clients together")
     a = sub.add_parser("allocate")
     a.add_argument("--plugin-dir", required=True)
     a.add_argument("--resource", required=True)

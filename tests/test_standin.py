@@ -1,6 +1,7 @@
 """The kubelet stand-in itself: kubelet.sock bound before kubelet listens on it (as Go's
-net.Listen does), one creation event of kubelet.sock per kubelet start, and the admission
-check (would kubelet admit a pod requesting the resource right now?).
+net.Listen does), one creation event of kubelet.sock per kubelet start, the admission
+check (would kubelet admit a pod requesting the resource right now?), the teardown after a
+stream ends (the connection let go of at once), and pod-resources' rate limit.
 
 A tiny device plugin in this process stands in for the daemon, so each step is driven
 and waited for here, not timed.
@@ -18,9 +19,10 @@ import inotify.adapters
 import inotify.constants as c
 import pytest
 
-from atedevd.api import API_VERSION, RegistrationStub, device_plugin_handler, pb
+from atedevd.api import API_VERSION, PodResourcesStub, RegistrationStub, device_plugin_handler, pb, prpb
 from atedevd.sockets import held_connections
-from tests.kubelet_standin import DOWN, KUBELET_SOCKET, MODES, Kubelet
+from tests.kubelet_standin import DOWN, KUBELET_RATE_LIMIT, KUBELET_SOCKET, MODES, RATE_LIMITED, Kubelet, TokenBucket
+from tests.node_agent import NodeAgent
 
 RESOURCE = "example.com/thing"
 
@@ -184,7 +186,10 @@ def test_a_kill_drops_connections_through_kubelet_sock(plugin_dir, listen_gap):
         s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
         assert s.recv(9)[3] == 0x4  # the gRPC server's SETTINGS frame, through the relay
         k.kill()
-        while s.recv(65536):  # whatever was in flight, then the end of the connection
+        try:
+            while s.recv(65536):  # whatever was in flight, then the end of the connection
+                pass
+        except ConnectionResetError:  # the server closed with our bytes unread: an end too
             pass
         s.close()
     finally:
@@ -303,5 +308,87 @@ def test_kubelet_sock_beyond_sun_path(tmp_path):
         assert stat.S_ISSOCK(os.lstat(k.socket).st_mode)
         k.restart()
         assert stat.S_ISSOCK(os.lstat(k.socket).st_mode)
+    finally:
+        k.close()
+
+
+# --- pod-resources and kubelet's rate limit -------------------------------------------------
+
+
+def test_token_bucket_is_kubelets_limiter():
+    """x/time/rate's Allow with kubelet's 100/s, burst 10: ten at once, then one per 10 ms;
+    an idle spell refills up to the burst, never beyond."""
+    now = [0.0]
+    bucket = TokenBucket(*KUBELET_RATE_LIMIT, clock=lambda: now[0])
+    assert [bucket.allow() for _ in range(11)] == [True] * 10 + [False]
+    now[0] += 0.0099
+    assert not bucket.allow()
+    now[0] += 0.0002  # 10.1 ms after the burst: one token
+    assert bucket.allow() and not bucket.allow()
+    now[0] += 60.0
+    assert sum(bucket.allow() for _ in range(50)) == 10
+
+
+def ask(socket_path: str, user_agent: str = "") -> grpc.StatusCode:
+    """One GetAllocatableResources on a fresh connection, as atedevd asks; its status code."""
+    options = [("grpc.primary_user_agent", user_agent)] if user_agent else []
+    channel = grpc.insecure_channel("unix:" + socket_path, options=options)
+    try:
+        PodResourcesStub(channel).GetAllocatableResources(prpb.AllocatableResourcesRequest(), timeout=5)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            assert e.details() == RATE_LIMITED
+        return e.code()
+    finally:
+        channel.close()
+
+
+def test_pod_resources_limit_is_shared_counted_per_client_and_opt_in(plugin_dir):
+    """One bucket for every client of the socket (an agent's calls leave fewer for us),
+    refusals ResourceExhausted "rejected by rate limit", each call counted under its client;
+    a restarted kubelet starts with a full bucket; without rate_limit nothing is refused."""
+    k = Kubelet(plugin_dir, rate_limit=(0.001, 3))  # 3, then nothing for the test's duration
+    try:
+        k.start()
+        codes = [ask(k.pod_resources_socket, "node-agent/1") for _ in range(2)]
+        codes += [ask(k.pod_resources_socket) for _ in range(2)]
+        assert codes == [grpc.StatusCode.OK] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED], codes
+        assert k.pod_resources_calls() == {"node-agent": {"answered": 2, "refused": 0},
+                                           "grpc-python": {"answered": 1, "refused": 1}}
+        k.restart()
+        assert ask(k.pod_resources_socket) == grpc.StatusCode.OK
+        assert k.pod_resources_calls(since=k.serving_at) == {"grpc-python": {"answered": 1, "refused": 0}}
+        assert k.state()["pod_resources_calls"]["grpc-python"] == {"answered": 2, "refused": 1}
+    finally:
+        k.close()
+    unlimited = Kubelet(plugin_dir)
+    try:
+        unlimited.start()
+        assert all(ask(unlimited.pod_resources_socket) == grpc.StatusCode.OK for _ in range(30))
+    finally:
+        unlimited.close()
+
+
+def test_a_node_agent_at_80_a_second_stays_inside_the_limit_alone(plugin_dir):
+    """The agent never asks faster than its rate, so kubelet's limit alone never refuses it
+    (30 calls: more than the burst); a client that then asks 20 times in a row finds the
+    bucket shared and is refused."""
+    k = Kubelet(plugin_dir, rate_limit=KUBELET_RATE_LIMIT)
+    try:
+        k.start()
+        agent = NodeAgent(k.pod_resources_socket, rate=80).start()
+        try:
+            assert k.wait(lambda: k.pod_resources_calls().get("node-agent", {}).get("answered", 0) >= 30, timeout=10)
+            alone = k.pod_resources_calls()
+            ours = [ask(k.pod_resources_socket) for _ in range(20)]
+        finally:
+            counts = agent.stop()
+        assert list(alone) == ["node-agent"] and alone["node-agent"]["refused"] == 0, alone
+        assert counts["failed"] == 0 and counts["answered"] >= 30, counts
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in ours, ours
+        seen = k.pod_resources_calls()
+        assert seen["grpc-python"]["refused"] == ours.count(grpc.StatusCode.RESOURCE_EXHAUSTED), seen
+        assert seen["node-agent"] == {"answered": counts["answered"], "refused": counts["refused"]}, seen
     finally:
         k.close()
