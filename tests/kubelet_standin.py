@@ -58,12 +58,16 @@ teardown_lookup (between that lookup and the deregistration).
 Admission: `rejection(resource)` says why kubelet would reject (UnexpectedAdmissionError)
 a pod requesting the resource right now, as the device manager's Allocate checks at
 admission; `record_admission(resource)` logs it at every change and every millisecond,
-for the rejection-window benchmark.
+for the rejection-window benchmark. The pods bound to the node (`pods`: name, resource,
+the devices the checkpoint gave them) are admitted again by every kubelet start, as after
+a reboot, in one batch `first_admission` seconds after kubelet.sock appears (kubelet: its
+sync loop's first pass once the runtime is up; `readmission(pod)`), logged in
+`first_admissions`.
 
 Used in-process by the tests and benchmarks (`Kubelet`), and as a script in the
 systemd container and the demo:
   kubelet_standin.py serve --plugin-dir DIR --state FILE [--kubelet 1.32|current]
-      [--gap S] [--listen-gap S] [--rate-limit]
+      [--gap S] [--listen-gap S] [--rate-limit] [--pods FILE --first-admission S]
       (SIGHUP: restart like kubelet; SIGTERM: exit, leaving a stale socket)
   kubelet_standin.py allocate --plugin-dir DIR --resource R --ids a,b
 """
@@ -283,7 +287,8 @@ class Kubelet:
     def __init__(self, plugin_dir: str, kubelet: str = "current", wipe: str = "sockets", on_change=None,
                  grace: float = GRACE_PERIOD_S, delays: Optional[Dict[str, Delay]] = None,
                  pod_resources: bool = True, dial_timeout: float = DIAL_TIMEOUT_S, listen_gap: Delay = 0.0,
-                 rate_limit: Optional[Tuple[float, int]] = RATE_LIMIT_BY_DEFAULT):
+                 rate_limit: Optional[Tuple[float, int]] = RATE_LIMIT_BY_DEFAULT, pods: Optional[List[dict]] = None,
+                 first_admission: Optional[Delay] = None):
         if kubelet not in MODES:
             raise ValueError(f"kubelet must be one of {MODES}, not {kubelet!r}")
         if not _is_gap(listen_gap):
@@ -291,6 +296,14 @@ class Kubelet:
                              f"not {listen_gap!r}")
         if rate_limit is not None and not (len(rate_limit) == 2 and rate_limit[0] > 0 and rate_limit[1] >= 1):
             raise ValueError(f"rate_limit must be (requests a second > 0, burst >= 1) or None, not {rate_limit!r}")
+        if (first_admission is None) != (not pods) or not (
+                first_admission is None or callable(first_admission)
+                or (isinstance(first_admission, (int, float)) and first_admission >= 0)):
+            raise ValueError(f"pods and first_admission (seconds >= 0 or a callable) go together, not "
+                             f"{len(pods or ())} pods and {first_admission!r}")
+        for pod in pods or ():
+            if not isinstance(pod, dict) or not isinstance(pod.get("name"), str) or not isinstance(pod.get("resource"), str):
+                raise ValueError(f"a pod is {{'name': str, 'resource': str, 'devices': [str, ...]}}, not {pod!r}")
         unknown = set(delays or ()) - set(DELAY_STEPS)
         if unknown:
             raise ValueError(f"unknown delay steps {sorted(unknown)}; known: {DELAY_STEPS}")
@@ -305,6 +318,9 @@ class Kubelet:
         self.dial_timeout = dial_timeout
         self.listen_gap = listen_gap  # seconds (or a callable) from kubelet.sock's bind to its listen
         self.rate_limit = rate_limit  # pod-resources: (requests a second, burst), None: unlimited
+        self.pods = [dict(p) for p in pods or ()]  # bound to the node: admitted again at each start
+        self.first_admission = first_admission  # seconds from kubelet.sock appearing to that batch
+        self.first_admissions: List[dict] = []  # per start: incarnation, serving_at, at, pods [{name, resource, reason}]
         # pod-resources calls: the newest (monotonic time, client, method, answered), and counts of
         # all of them per client ({"answered": n, "refused": n}); client: _client_of()
         self.pod_resources_log: Deque[Tuple[float, str, str, bool]] = collections.deque(maxlen=100_000)
@@ -412,6 +428,9 @@ class Kubelet:
 
     def _serve(self, inc: _Incarnation, listen_gap: Optional[Delay] = None) -> None:
         self._listen(inc, listen_gap)
+        if self.pods:
+            threading.Thread(target=self._first_admission, args=(inc, self.serving_at), daemon=True,
+                             name="first-admission").start()
         if self.pod_resources_socket:
             os.makedirs(os.path.dirname(self.pod_resources_socket), exist_ok=True)
             try:
@@ -734,6 +753,45 @@ class Kubelet:
                 return f"endpoint {e!r}: the plugin's stream ended (Allocate would fail)"
             return None
 
+    def readmission(self, pod: dict, inc: Optional[_Incarnation] = None) -> Optional[str]:
+        """Why kubelet would reject `pod`, bound to the node with its containers not running
+        (a reboot), at admission now; None if it admits it. devicesToAllocate for such a
+        container checks, before anything else: the resource registered (from the checkpoint
+        too), a healthy device, every device the checkpoint gave it still healthy; with all of
+        its devices from before, it then asks the plugin nothing (no Allocate). A pod with no
+        devices from before is a new one: rejection()."""
+        with self.cond:
+            inc = inc or self.inc
+            if not inc.alive:
+                return DOWN
+            resource, before = pod["resource"], set(pod.get("devices") or ())
+            if not before:
+                return self.rejection(resource, inc)
+            if resource not in inc.healthy:
+                return f"cannot allocate unregistered device {resource}"
+            if not inc.healthy[resource]:
+                return f"no healthy devices present; cannot allocate unhealthy devices {resource}"
+            if not before <= inc.healthy[resource]:
+                return f"previously allocated devices are no longer healthy; cannot allocate unhealthy devices {resource}"
+            return None
+
+    def _first_admission(self, inc: _Incarnation, serving_at: float) -> None:
+        """The batch of pods bound to the node, `first_admission` seconds after kubelet.sock
+        appeared (kubelet's sync loop, once the runtime is up, handles them in one pass)."""
+        d = self.first_admission
+        left = serving_at + (d() if callable(d) else d) - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        with self.cond:
+            if not inc.alive:
+                return
+            batch = {"incarnation": inc.n, "serving_at": serving_at, "at": time.monotonic(),
+                     "pods": [{"name": p["name"], "resource": p["resource"], "reason": self.readmission(p, inc)}
+                              for p in self.pods]}
+            self.first_admissions.append(batch)
+            self.cond.notify_all()
+        self._changed()
+
     def admits(self, resource: str) -> bool:
         return self.rejection(resource) is None
 
@@ -996,6 +1054,7 @@ class Kubelet:
             calls = {client: dict(counts) for client, counts in self.pod_resources_counts.items()}
             return {"pid": os.getpid(), "mode": self.mode, "restarts": self.restarts, "alive": inc.alive,
                     "resources": resources, "pod_resources_calls": calls,
+                    "first_admissions": [dict(b, pods=[dict(p) for p in b["pods"]]) for b in self.first_admissions],
                     "rate_limit": list(self.rate_limit) if self.rate_limit else None}
 
     def write_checkpoint(self) -> None:
@@ -1508,7 +1567,8 @@ def _serve(args) -> int:
 
     kubelet = Kubelet(args.plugin_dir, kubelet=args.kubelet, on_change=on_change if args.state else None,
                       grace=args.grace, pod_resources=not args.no_pod_resources, listen_gap=args.listen_gap,
-                      rate_limit=KUBELET_RATE_LIMIT if args.rate_limit else None)
+                      rate_limit=KUBELET_RATE_LIMIT if args.rate_limit else None, pods=_read_pods(args.pods),
+                      first_admission=args.first_admission)
     restart = threading.Event()
     stop = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: restart.set())
@@ -1529,6 +1589,14 @@ def _serve(args) -> int:
                 last = state
     kubelet.kill()
     return 0
+
+
+def _read_pods(path: Optional[str]) -> Optional[List[dict]]:
+    """The pods bound to the node: a JSON list of {"name", "resource", "devices"}."""
+    if not path:
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _allocate(args) -> int:
@@ -1569,6 +1637,9 @@ def main(argv=None) -> int:
                    help="seconds between kubelet.sock appearing and kubelet listening on it (Register refused meanwhile)")
     s.add_argument("--grace", type=float, default=GRACE_PERIOD_S, help="seconds a stopped endpoint's resource is kept")
     s.add_argument("--no-pod-resources", action="store_true", help="do not serve <root>/pod-resources/kubelet.sock")
+    s.add_argument("--pods", help="the pods bound to the node (JSON: [{name, resource, devices}]), admitted again "
+                                   "at each start, as after a reboot")
+    s.add_argument("--first-admission", type=float, help="seconds from kubelet.sock appearing to that admission")
     s.add_argument("--rate-limit", action=argparse.BooleanOptionalAction, default=RATE_LIMIT_BY_DEFAULT is not None,
                    help="limit pod-resources as kubelet does: 100 requests a second, burst 10, all clients together")
     a = sub.add_parser("allocate")

@@ -7,6 +7,7 @@ A tiny device plugin in this process stands in for the daemon, so each step is d
 and waited for here, not timed.
 """
 
+import json
 import os
 import socket
 import stat
@@ -392,3 +393,47 @@ def test_a_node_agent_at_80_a_second_stays_inside_the_limit_alone(plugin_dir):
         assert seen["node-agent"] == {"answered": counts["answered"], "refused": counts["refused"]}, seen
     finally:
         k.close()
+
+
+# --- the pods bound to the node, admitted again after a reboot -------------------------------
+
+
+def test_pods_bound_to_the_node_are_admitted_again_in_one_batch_at_each_start(plugin_dir, plugin):
+    """The first admission after a start (a reboot: no container runs) checks what kubelet's
+    devicesToAllocate checks before anything else: the resource registered (the checkpoint
+    counts: then 0 healthy), a healthy device, and the devices the pod had still healthy."""
+    pods = [{"name": "vm-0", "resource": RESOURCE, "devices": ["d0"]},
+            {"name": "vm-1", "resource": RESOURCE, "devices": ["d1", "d7"]},  # d7: the plugin no longer has it
+            {"name": "new", "resource": RESOURCE},
+            {"name": "other", "resource": "example.com/other", "devices": ["x"]}]
+    gate = threading.Event()  # the batch waits for it (the delay is computed when it is due)
+    k = Kubelet(plugin_dir, pods=pods, first_admission=lambda: gate.wait(10) and 0.0)
+    os.makedirs(plugin_dir)
+    with open(os.path.join(plugin_dir, "kubelet_internal_checkpoint"), "w") as f:
+        json.dump({"RegisteredDevices": {RESOURCE: ["d0", "d1"]}}, f)  # the boot before
+    try:
+        k.start()
+        gate.set()
+        assert k.wait(lambda: len(k.first_admissions) == 1), k.dump()
+        batch = k.first_admissions[0]
+        assert batch["incarnation"] == 1 and batch["at"] >= batch["serving_at"] == k.serving_at
+        none = f"no healthy devices present; cannot allocate unhealthy devices {RESOURCE}"
+        assert {p["name"]: p["reason"] for p in batch["pods"]} == {
+            "vm-0": none, "vm-1": none, "new": none,
+            "other": "cannot allocate unregistered device example.com/other"}, batch
+        gate.clear()
+        k.restart()
+        register(k, plugin())
+        assert k.wait_connected(RESOURCE, registrations=1), k.dump()
+        gate.set()
+        assert k.wait(lambda: len(k.first_admissions) == 2), k.dump()
+        assert {p["name"]: p["reason"] for p in k.first_admissions[1]["pods"]} == {
+            "vm-0": None, "new": None,
+            "vm-1": f"previously allocated devices are no longer healthy; cannot allocate unhealthy devices {RESOURCE}",
+            "other": "cannot allocate unregistered device example.com/other"}, k.first_admissions
+        assert k.state()["first_admissions"][1]["incarnation"] == 2
+    finally:
+        gate.set()
+        k.close()
+    with pytest.raises(ValueError, match="go together"):
+        Kubelet(plugin_dir, pods=pods)
