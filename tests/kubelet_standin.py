@@ -76,6 +76,7 @@ import argparse
 import collections
 import glob
 import json
+import math
 import os
 import shutil
 import signal
@@ -1111,6 +1112,7 @@ class _Condition(threading.Condition):
 
 
 DOWN = "kubelet is not running"  # Kubelet.rejection(): no kubelet, so no admission (nothing rejected)
+POD_PERIOD_S = 0.01  # AdmissionLog.pods_rejected(): a pod put in every 10 ms (100 a second)
 
 
 class AdmissionLog:
@@ -1196,6 +1198,26 @@ class AdmissionLog:
             if state == "reject" and b > a:
                 out[reason] = out.get(reason, 0.0) + b - a
         return out
+
+    def pods_rejected(self, t0: float, t1: float, period: float = POD_PERIOD_S) -> Tuple[int, int]:
+        """(rejected, put in): the pods an admission loop putting one in every `period`
+        seconds (at the multiples of `period` on the monotonic clock) within [t0, t1] would
+        have seen rejected, and how many it put in while kubelet ran. Read from the
+        transitions, which are stamped as kubelet's state changes: a loop's own lateness on a
+        busy machine is not in it."""
+        with self.kubelet.cond:
+            marks = list(self.transitions)
+        rejected = put_in = 0
+        for i, (at, state, _reason) in enumerate(marks):
+            end = marks[i + 1][0] if i + 1 < len(marks) else max(t1, at)
+            a, b = max(at, t0), min(end, t1)
+            if b <= a or state == "down":
+                continue
+            n = math.floor(b / period - 1e-12) - math.floor(a / period - 1e-12)  # multiples in (a, b]
+            put_in += n
+            if state == "reject":
+                rejected += n
+        return rejected, put_in
 
     def rejected(self, t0: float, t1: float) -> Tuple[float, int, List[str]]:
         """(seconds rejecting within [t0, t1], how many separate rejecting spells, their reasons)."""

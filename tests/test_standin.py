@@ -13,6 +13,7 @@ import socket
 import stat
 import threading
 import time
+import types
 from concurrent import futures
 
 import grpc
@@ -22,7 +23,8 @@ import pytest
 
 from atedevd.api import API_VERSION, PodResourcesStub, RegistrationStub, device_plugin_handler, pb, prpb
 from atedevd.sockets import held_connections
-from tests.kubelet_standin import DOWN, KUBELET_RATE_LIMIT, KUBELET_SOCKET, MODES, RATE_LIMITED, Kubelet, TokenBucket
+from tests.kubelet_standin import (DOWN, KUBELET_RATE_LIMIT, KUBELET_SOCKET, MODES, RATE_LIMITED, AdmissionLog, Kubelet,
+                                   TokenBucket)
 from tests.node_agent import NodeAgent
 
 RESOURCE = "example.com/thing"
@@ -437,3 +439,14 @@ def test_pods_bound_to_the_node_are_admitted_again_in_one_batch_at_each_start(pl
         k.close()
     with pytest.raises(ValueError, match="go together"):
         Kubelet(plugin_dir, pods=pods)
+
+
+def test_pods_rejected_counts_a_pod_every_period_in_the_rejecting_spells():
+    """An admission loop's view, read from the transitions: one pod every 10 ms, none while
+    kubelet is down (it admits nothing then: the pod waits)."""
+    log = AdmissionLog(types.SimpleNamespace(cond=threading.Condition()), RESOURCE)
+    log.transitions = [(0.0, "admit", None), (1.005, "reject", "x"), (1.052, "admit", None), (2.0, "down", DOWN),
+                       (3.0, "reject", "y")]
+    assert log.pods_rejected(0.5, 3.1, period=0.01) == (5 + 10, 150 + 10)
+    assert log.pods_rejected(1.0, 1.03, period=0.01) == (2, 3)
+    assert log.pods_rejected(2.0, 2.9) == (0, 0)
