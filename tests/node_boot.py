@@ -23,6 +23,7 @@ manager serves kubelet.sock on the way to "up", and the pods come at the next wa
 
 import json
 import statistics
+import time
 from typing import Dict, List
 
 from tests.container import (
@@ -108,8 +109,16 @@ def one_boot(node: Container, resources: Dict[str, int]) -> dict:
     the container, systemd and the stand-in)."""
     node.boot()
     try:
-        state = wait_until(lambda: (lambda s: s if s and s.get("first_admissions") else None)(standin_state(node)),
-                           30, "kubelet's first admission", lambda: f"{standin_state(node)}\n{diagnostics(node)}")
+        def settled():  # kubelet's first batch done, and every resource healthy (or given up on)
+            s = standin_state(node)
+            if not (s and s.get("first_admissions")):
+                return None
+            counts = {name: r.get("healthy") for name, r in (s.get("resources") or {}).items()}
+            return s if all(counts.get(n) == u for n, u in resources.items()) or time.monotonic() > give_up else None
+
+        give_up = time.monotonic() + 20
+        state = wait_until(settled, 30, "kubelet's first admission", lambda: f"{standin_state(node)}\n{diagnostics(node)}",
+                           interval=0.02)
         t = state["timing"]
         healthy: Dict[str, float] = {}
         for at, name, _endpoint, count in t["healthy"]:
@@ -158,14 +167,16 @@ def rejected_pods(b: dict) -> int:
 
 def figures(boots: List[dict]) -> Dict[str, List[float]]:
     """Per boot, seconds: margin (the last resource healthy -> kubelet's first batch; negative:
-    lost), ours (kubelet.sock -> first Register, -> the last resource healthy), kubelet's
+    lost), ours (kubelet.sock -> first and last Register, -> the last resource healthy), kubelet's
     (kubelet.sock -> first batch: the stand-in's FIRST_ADMISSION_S and its own lateness),
     and how long before kubelet's start atedevd was READY."""
-    out: Dict[str, List[float]] = {"margin": [], "register": [], "healthy": [], "batch": [], "ready": []}
+    out: Dict[str, List[float]] = {"margin": [], "register": [], "last_register": [], "healthy": [], "batch": [],
+                                   "ready": []}
     for b in boots:
         last = max(b["healthy"].values()) if len(b["healthy"]) == len(b["resources"]) else float("inf")
         out["margin"].append(b["batch"]["at"] - last)
         out["register"].append(min(r["at"] for r in b["registers"]) - b["sock"] if b["registers"] else float("inf"))
+        out["last_register"].append(max(r["at"] for r in b["registers"]) - b["sock"] if b["registers"] else float("inf"))
         out["healthy"].append(last - b["sock"])
         out["batch"].append(b["batch"]["at"] - b["sock"])
         out["ready"].append(b["kubelet_start"] - b["ready"])

@@ -3,8 +3,8 @@ net.Listen does), one creation event of kubelet.sock per kubelet start, the admi
 check (would kubelet admit a pod requesting the resource right now?), the teardown after a
 stream ends (the connection let go of at once), and pod-resources' rate limit.
 
-A tiny device plugin in this process stands in for the daemon, so each step is driven
-and waited for here, not timed.
+A tiny device plugin in this process (tests/tiny_plugin.py) stands in for the daemon, so
+each step is driven and waited for here, not timed.
 """
 
 import json
@@ -14,62 +14,25 @@ import stat
 import threading
 import time
 import types
-from concurrent import futures
 
 import grpc
 import inotify.adapters
 import inotify.constants as c
 import pytest
 
-from atedevd.api import API_VERSION, PodResourcesStub, RegistrationStub, device_plugin_handler, pb, prpb
+from atedevd.api import PodResourcesStub, prpb
 from atedevd.sockets import held_connections
 from tests.kubelet_standin import (DOWN, KUBELET_RATE_LIMIT, KUBELET_SOCKET, MODES, RATE_LIMITED, AdmissionLog, Kubelet,
                                    TokenBucket)
 from tests.node_agent import NodeAgent
+from tests.tiny_plugin import Plugin
+from tests.tiny_plugin import register as _register
 
 RESOURCE = "example.com/thing"
 
 
-class Plugin:
-    """A device plugin serving two healthy devices on `<plugin_dir>/<name>` until stop()."""
-
-    def __init__(self, plugin_dir: str, name: str):
-        self.name = name
-        self.path = os.path.join(plugin_dir, name)
-        self.stopping = threading.Event()
-        self.server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[device_plugin_handler(self)])
-        assert self.server.add_insecure_port("unix:" + self.path) == 1
-        self.server.start()
-
-    def GetDevicePluginOptions(self, request, context):
-        return pb.DevicePluginOptions()
-
-    def ListAndWatch(self, request, context):
-        yield pb.ListAndWatchResponse(devices=[pb.Device(ID=f"d{i}", health="Healthy") for i in range(2)])
-        while context.is_active() and not self.stopping.wait(0.05):
-            pass
-
-    def GetPreferredAllocation(self, request, context):
-        return pb.PreferredAllocationResponse()
-
-    def Allocate(self, request, context):
-        return pb.AllocateResponse(container_responses=[pb.ContainerAllocateResponse() for _ in request.container_requests])
-
-    def PreStartContainer(self, request, context):
-        return pb.PreStartContainerResponse()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.server.stop(None).wait(5)
-
-
-def register(kubelet: Kubelet, plugin: Plugin, timeout: float = 5.0) -> None:
-    channel = grpc.insecure_channel("unix:" + kubelet.socket, options=[("grpc.use_local_subchannel_pool", 1)])  # a fresh connection
-    try:
-        RegistrationStub(channel).Register(
-            pb.RegisterRequest(version=API_VERSION, endpoint=plugin.name, resource_name=RESOURCE), timeout=timeout)
-    finally:
-        channel.close()
+def register(kubelet: Kubelet, plugin: Plugin) -> None:
+    _register(kubelet.socket, plugin, RESOURCE)
 
 
 @pytest.fixture
