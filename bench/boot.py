@@ -8,30 +8,18 @@ and 16 resources, which is where the margin runs out, are measured.
 Needs root and systemd-nspawn; without them the row says it was not run, and why.
 """
 
-import os
-import shutil
 import sys
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
+from bench.upgrade import unavailable, verdict
 from tests.kubelet_standin import MODES
 
 Row = Tuple[str, str, str, str, str]
 TOOLS = ("systemd-nspawn", "nsenter", "mount")
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
-def unavailable() -> Optional[str]:
-    if os.geteuid() != 0:
-        return "needs root (it boots a systemd container)"
-    missing = [t for t in TOOLS if shutil.which(t, path="/usr/sbin:/usr/bin:/sbin:/bin") is None]
-    return f"needs {', '.join(missing)} (make deps installs them)" if missing else None
-
-
 def run(boots: int, modes=MODES) -> List[Row]:
-    why = unavailable()
+    why = unavailable(TOOLS)
     if why:
         print(f"  boot: NOT RUN: {why}", file=sys.stderr, flush=True)
         return [("boot", "kubelet's first batch after a boot: not run", why, "", "SKIP")]
