@@ -2,7 +2,7 @@
 PYTHON ?= /usr/bin/python3
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: deps demo check test test-latest bench bench-lifecycle bench-units bench-upgrade bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
+.PHONY: deps demo check test test-latest bench bench-lifecycle bench-units bench-upgrade bench-boot bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
 
 # Debian 12's own packages: the runtime floor we test, and the tools the tests drive.
 deps:
@@ -34,9 +34,13 @@ bench: deps
 	$(PYTHON) -m bench
 
 # The rejection window per lifecycle event and kubelet mode: ROUNDS rounds per row (default
-# 100; QUICK=1: 10), EVENTS a subset (bench/lifecycle.py lists them).
+# 100; QUICK=1: 10), EVENTS a subset (bench/lifecycle.py lists them); then, under a real
+# systemd (root), a package upgrade (bench-upgrade) and the boot: kubelet's first batch of
+# pods after a boot, 1 and 16 resources (20 boots per row; QUICK=1: 5); given EVENTS, only
+# the lifecycle rows. LIMIT=1: kubelet's pod-resources limit in the stand-in, and a node
+# agent polling it 80 times a second beside atedevd.
 bench-lifecycle: deps
-	$(PYTHON) -m bench --only lifecycle $(if $(QUICK),--quick) $(if $(filter command line environment,$(origin ROUNDS)),--rounds $(ROUNDS)) $(foreach e,$(EVENTS),--event $(e))
+	$(PYTHON) -m bench --only lifecycle $(if $(EVENTS),,--only upgrade --only boot) $(if $(QUICK),--quick) $(if $(filter command line environment,$(origin ROUNDS)),--rounds $(ROUNDS)) $(foreach e,$(EVENTS),--event $(e)) $(if $(LIMIT),--limit)
 
 # Register -> all units healthy in kubelet against the configured count.
 bench-units: deps
@@ -47,6 +51,11 @@ bench-units: deps
 # ROUNDS upgrades per kubelet mode (default 10; QUICK=1: 3). Needs root.
 bench-upgrade: deps
 	$(PYTHON) -m bench --only upgrade $(if $(QUICK),--quick) $(if $(filter command line environment,$(origin ROUNDS)),--rounds $(ROUNDS))
+
+# kubelet's first batch of pods after a real boot (a booted Debian 12 container, the stand-in as
+# kubelet.service), won or lost: ROUNDS boots per kubelet model and row (default 20; QUICK=1: 5). Root.
+bench-boot: deps
+	$(PYTHON) -m bench --only boot $(if $(QUICK),--quick) $(if $(filter command line environment,$(origin ROUNDS)),--rounds $(ROUNDS))
 
 # The registration scenario matrix, ROUNDS rounds per scenario and kubelet mode (CI runs 3).
 ROUNDS ?= 1000

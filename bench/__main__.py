@@ -4,10 +4,12 @@ event (lifecycle) and of a package upgrade under a real systemd (upgrade: root
 and a container; the row says so when it cannot run), and Register -> healthy
 against the unit count (units), as one table.
 
-    python -m bench [--quick] [--only NAME ...] [--rounds N] [--event EVENT ...]
+    python -m bench [--quick] [--only NAME ...] [--rounds N] [--event EVENT ...] [--limit]
 
-`--rounds` and `--event` select what the lifecycle, units and upgrade benchmarks run
-(`make bench-lifecycle ROUNDS=100 EVENTS="kubelet-restart stream-ended"`).
+`--rounds` and `--event` select what the lifecycle, units, upgrade and boot benchmarks run
+(`make bench-lifecycle ROUNDS=100 EVENTS="kubelet-restart stream-ended"`); `--limit` runs
+the lifecycle rounds with kubelet's pod-resources rate limit in the stand-in and a node
+agent polling pod-resources 80 times a second beside atedevd (`make bench-lifecycle LIMIT=1`).
 
 The daemon runs as a process (as systemd runs it) with the default config:
 one device, 1024 units. The kubelet stand-in runs in this process; Allocate
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
                    help=f"run only this benchmark (repeatable): {', '.join(BENCHES)}")
     p.add_argument("--rounds", type=int, metavar="N", help="rounds per row (benchmarks that take it: lifecycle, units, upgrade)")
     p.add_argument("--event", action="append", metavar="EVENT", help="lifecycle events to run (repeatable; default all)")
+    p.add_argument("--limit", action="store_true",
+                   help="lifecycle: kubelet's pod-resources limit (100/s, burst 10) and a node agent at 80/s beside")
     args = p.parse_args(argv)
     names = args.only or list(BENCHES)
     if args.rounds is not None and args.rounds < 1:
@@ -58,7 +62,8 @@ def main(argv=None) -> int:
         print(f"running {name}...", file=sys.stderr, flush=True)
         fn = BENCHES[name]
         takes = inspect.signature(fn).parameters
-        extra = {key: value for key, value in (("rounds", args.rounds), ("events", args.event))
+        extra = {key: value for key, value in (("rounds", args.rounds), ("events", args.event),
+                                               ("limit", args.limit or None))
                  if value is not None and key in takes}
         rows += fn(args.quick, **extra)
         print(f"  {name}: {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)

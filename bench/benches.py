@@ -366,11 +366,12 @@ def idle(quick: bool) -> List[Row]:
     ]
 
 
-def lifecycle(quick: bool, rounds: Optional[int] = None, events: Optional[List[str]] = None) -> List[Row]:
+def lifecycle(quick: bool, rounds: Optional[int] = None, events: Optional[List[str]] = None,
+              limit: bool = False) -> List[Row]:
     """The rejection window per lifecycle event and kubelet mode (bench.lifecycle)."""
     from bench import lifecycle as lc
 
-    return lc.run(events or list(lc.EVENTS), rounds or (10 if quick else 100))
+    return lc.run(events or list(lc.EVENTS), rounds or (10 if quick else 100), limit=limit)
 
 
 def units(quick: bool, rounds: Optional[int] = None) -> List[Row]:
@@ -394,6 +395,14 @@ def upgrade(quick: bool, rounds: Optional[int] = None) -> List[Row]:
     return up.run(rounds or (3 if quick else 10))
 
 
+def boot(quick: bool, rounds: Optional[int] = None) -> List[Row]:
+    """kubelet's first batch of pods after a real boot, won or lost, per kubelet model, with 1 and
+    16 resources (bench.boot)."""
+    from bench import boot as b
+
+    return b.run(rounds or (5 if quick else 20))
+
+
 BENCHES = {
     "startup": startup,
     "rereg": rereg,
@@ -407,4 +416,5 @@ BENCHES = {
     "lifecycle": lifecycle,
     "units": units,
     "upgrade": upgrade,
+    "boot": boot,
 }

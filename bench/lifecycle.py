@@ -6,7 +6,9 @@ Each round: trigger the event, wait for the healthy end state (Kubelet.assert_he
 sum the time the stand-in's admission log (Kubelet.record_admission: kubelet's Allocate
 checks, every millisecond and at every change) said "reject" since the event; for a kubelet
 restart, since kubelet.sock appeared (a kubelet that is down admits nothing, so rejects
-nothing). The events:
+nothing). With it, the pods an admission loop putting one in every 10 ms would have seen
+rejected (AdmissionLog.pods_rejected), the Register calls kubelet saw, and atedevd's calls
+to pod-resources. The events:
 
   kubelet-restart     kubelet killed and started back to back (the other core busy)
   kubelet-listen-gap  the same, kubelet listening 0-5 ms after kubelet.sock appears, so an
@@ -14,12 +16,21 @@ nothing). The events:
   daemon-sigterm      `systemctl restart`: SIGTERM, the exit, a new process at once
   daemon-kill-9       SIGKILL, then a new process at once (systemd adds RestartSec=)
   reload-unchanged    SIGHUP, configuration unchanged
-  reload-changed      SIGHUP with the resource's count changed (registers anew)
+  reload-count        SIGHUP with the resource's count changed; done when kubelet counts
+                      the new number
+  reload-permissions  SIGHUP with the resource's permissions changed ("rw" <-> "rwm"); done
+                      when an Allocate through kubelet answers the new ones
+  reload-upgrade      the package upgraded, then a reload hands over to a warm successor:
+                      needs the daemon's handover (issue 21); until then the row says so
+                      (Lifecycle.upgrade_reload is the hook)
   socket-deleted      our current socket unlinked by someone else
   stream-ended        kubelet ends our ListAndWatch stream
 
 socket-deleted and stream-ended rounds come after a stable registration (more than the
-daemon's STABLE_AFTER_S): an early stream end backs off on purpose.
+daemon's STABLE_AFTER_S): an early stream end backs off on purpose. With `limit`, the
+stand-in limits pod-resources as kubelet does (100 a second, burst 10, all clients
+together) and a node agent (tests/node_agent.py, a process of its own) polls it 80 times a
+second beside atedevd; the rows then say how many of atedevd's calls were refused.
 """
 
 import os
@@ -28,17 +39,23 @@ import signal
 import time
 from typing import Dict, List, Optional, Tuple
 
+import grpc
+
 from atedevd.registration import STABLE_AFTER_S
 from bench.rig import BusyCore, Rig, percentile
+from tests import node_agent
 from tests.harness import RESOURCE, current_socket
-from tests.kubelet_standin import MODES
+from tests.kubelet_standin import KUBELET_RATE_LIMIT, MODES, POD_PERIOD_S, KubeletError
 
 Row = Tuple[str, str, str, str, str]
 EVENTS = ("kubelet-restart", "kubelet-listen-gap", "daemon-sigterm", "daemon-kill-9", "reload-unchanged",
-          "reload-changed", "socket-deleted", "stream-ended")
+          "reload-count", "reload-permissions", "reload-upgrade", "socket-deleted", "stream-ended")
 UNITS = 1024
 LISTEN_GAP_MAX = 0.005
 END_STATE_TIMEOUT = 20.0
+OURS = "grpc-python"  # atedevd's calls to pod-resources, as the stand-in counts them (tests.kubelet_standin._client_of)
+PERMISSIONS = ("rw", "rwm")
+SETTLE_S = 0.25  # a reload's end state must hold this long (Lifecycle._settled)
 
 
 def verdict(ok: bool) -> str:
@@ -55,26 +72,37 @@ def stats(values: List[float]) -> str:
     return f"{ms(percentile(values, 50))}/{ms(percentile(values, 99))}/{ms(max(values))} ms"
 
 
-def write_config(path: str, count: int) -> None:
+def write_config(path: str, count: int, permissions: str = "rw") -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        f.write(f'[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {count}\n')
+        f.write(f'[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {count}\npermissions = "{permissions}"\n')
     os.replace(tmp, path)
 
 
-class Lifecycle:
-    """One kubelet mode: a rig, a registered daemon, the admission log, and one method per event."""
+class NotYet(Exception):
+    """An event the daemon cannot do yet: its row says so instead of a figure."""
 
-    def __init__(self, mode: str, seed: int):
+
+class Lifecycle:
+    """One kubelet mode: a rig, a registered daemon, the admission log, and one method per event;
+    with `limit`, kubelet's pod-resources limit and a node agent beside."""
+
+    def __init__(self, mode: str, seed: int, limit: bool = False):
         self.mode = mode
         self.rng = random.Random(seed)
-        self.rig = Rig(kubelet_mode=mode)
+        self.rig = Rig(kubelet_mode=mode, rate_limit=KUBELET_RATE_LIMIT if limit else None)
         self.k = self.rig.kubelet
+        self.agent = node_agent.spawn(self.k.pod_resources_socket) if limit else None
+        self.agent_counts: Optional[dict] = None
         self.config = os.path.join(self.rig.root, "atedevd.toml")
         self.count = UNITS
-        write_config(self.config, self.count)
+        self.permissions = PERMISSIONS[0]
+        write_config(self.config, self.count, self.permissions)
         self.k.units = self.count
         self.log = self.k.record_admission(RESOURCE)
+        if self.agent is not None and not self.k.wait(
+                lambda: self.k.pod_resources_counts.get(node_agent.USER_AGENT.split("/")[0]), timeout=30):
+            raise RuntimeError("the node agent never called pod-resources")
         self.start_daemon()
         self.k.assert_healthy(RESOURCE, self.count, new_registrations=1, timeout=30)
 
@@ -83,8 +111,43 @@ class Lifecycle:
         return d
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.agent_counts = self.agent.stop()
         self.log.stop()
         self.rig.close()
+
+    def reload(self, count: int, permissions: str) -> None:
+        """Rewrite the configuration, SIGHUP, and wait for the reload's READY=1."""
+        d = self.rig.daemon
+        after = len(d.notify.messages)
+        self.count, self.permissions = count, permissions
+        write_config(self.config, count, permissions)
+        self.k.units = count
+        d.send(signal.SIGHUP)
+        if d.notify.wait_for("READY", "1", timeout=30, after=after) is None:
+            raise RuntimeError(f"no READY=1 after SIGHUP; log:\n{d.log()[-3000:]}")
+
+    def allocated_permissions(self, permissions: str, timeout: float = END_STATE_TIMEOUT) -> bool:
+        """Until an Allocate through kubelet answers `permissions` (the reload reached the
+        plugin kubelet allocates from); False after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                resp = self.k.allocate(RESOURCE, ["kvm-0"], timeout=5)
+                if resp.container_responses[0].devices[0].permissions == permissions:
+                    return True
+            except (KubeletError, grpc.RpcError, IndexError):
+                pass
+            time.sleep(0.002)
+        return False
+
+    def upgrade_reload(self) -> None:
+        """TODO(issue 21, the daemon's part): the package upgraded under the running daemon
+        (a newer tree on disk), then `systemctl reload`, which hands the resources over to a
+        warm successor process (MAINPID=) instead of a stop and a cold start. Put here what
+        tells the daemon to do it, and return once it was told; the round then waits for the
+        end state with one new registration."""
+        raise NotYet("needs the daemon's handover to a warm successor (issue 21): hook Lifecycle.upgrade_reload")
 
     # --- one round -------------------------------------------------------------------------
 
@@ -109,18 +172,23 @@ class Lifecycle:
             old.wait(30)
             started = self.start_daemon().started_at  # at once, as systemd does (no RestartSec= here)
             old.close()  # the harness's own teardown (its notify socket), after the new start
+        elif event == "reload-upgrade":
+            self.upgrade_reload()
         elif event.startswith("reload-"):
-            d = self.rig.daemon
-            after = len(d.notify.messages)
-            if event == "reload-changed":
-                self.count = UNITS - 1 if self.count == UNITS else UNITS
-                write_config(self.config, self.count)
-                k.units = self.count
-            else:
-                new = 0
-            d.send(signal.SIGHUP)
-            if d.notify.wait_for("READY", "1", timeout=30, after=after) is None:
-                raise RuntimeError(f"no READY=1 after SIGHUP; log:\n{d.log()[-3000:]}")
+            # A reload that changes the count or the permissions needs no new Register (kubelet
+            # takes a new device list on the stream; permissions reach it only through Allocate):
+            # the end state asks for none, and a round is over once kubelet has the change.
+            new = 0
+            count, permissions = self.count, self.permissions
+            if event == "reload-count":
+                count = UNITS - 1 if self.count == UNITS else UNITS
+            elif event == "reload-permissions":
+                permissions = PERMISSIONS[1] if self.permissions == PERMISSIONS[0] else PERMISSIONS[0]
+            elif event != "reload-unchanged":
+                raise ValueError(f"unknown event {event!r}; known: {', '.join(EVENTS)}")
+            self.reload(count, permissions)
+            if event == "reload-permissions" and not self.allocated_permissions(permissions):
+                raise RuntimeError(f"Allocate through kubelet never answered permissions {permissions!r}\n{k.dump(RESOURCE)}")
         elif event == "socket-deleted":
             os.unlink(current_socket(self.rig.plugin_dir, kubelet=k))
         elif event == "stream-ended":
@@ -129,14 +197,22 @@ class Lifecycle:
             raise ValueError(f"unknown event {event!r}; known: {', '.join(EVENTS)}")
         failure = None
         try:
-            k.assert_healthy(RESOURCE, self.count, since=mark, new_registrations=new, timeout=END_STATE_TIMEOUT)
+            if event.startswith("reload-") and event != "reload-upgrade":
+                self._settled(mark)
+            else:
+                k.assert_healthy(RESOURCE, self.count, since=mark, new_registrations=new, timeout=END_STATE_TIMEOUT)
         except AssertionError as e:
             failure = str(e).splitlines()[0]
         admitted = k.wait(lambda: self.log.state == "admit", timeout=END_STATE_TIMEOUT)
         t1 = time.monotonic()
         rejected, spells, reasons = self.log.rejected(t0, t1)
         by_reason = self.log.rejected_by_reason(t0, t1)
+        pods, put_in = self.log.pods_rejected(t0, t1)
+        calls = k.pod_resources_calls(since=t0)
+        ours = calls.get(OURS, {"answered": 0, "refused": 0})
         with k.cond:
+            registers = sum(1 for r in k.register_calls[mark:] if r["resource"] == RESOURCE)
+            our_times = [at for at, client, _m, _ok in k.pod_resources_log if client == OURS and t0 <= at <= t1]
             arrive = next((a - t0 for a in k.arrivals if a >= t0), None)
             healthy = next((h - t0 for h in k.healthy_at if h >= t0), None)
             listen = (k.listening_at - t0) if event.startswith("kubelet-") and k.listening_at else None
@@ -148,7 +224,33 @@ class Lifecycle:
             launch = next((a - started for a in k.arrivals if started is not None and a >= started), None)
         return {"rejected": rejected if admitted else None, "spells": spells, "reasons": reasons, "by_reason": by_reason,
                 "failure": failure, "arrive": arrive, "healthy": healthy, "listen": listen, "launch": launch,
-                "accepted": accepted, "spoke": spoke}
+                "accepted": accepted, "spoke": spoke, "pods": pods, "put_in": put_in, "registers": registers,
+                "pr_answered": ours["answered"], "pr_refused": ours["refused"], "pr_peak": peak_per_second(our_times),
+                "agent_refused": calls.get(node_agent.USER_AGENT.split("/")[0], {}).get("refused", 0)}
+
+    def _settled(self, mark: int) -> None:
+        """A reload's end state (Kubelet.assert_healthy with no new registration asked for),
+        held SETTLE_S with no Register call since. A reload needs no new registration, so the
+        end state can be met before the daemon is done: one that takes the new device list or
+        permissions on the old stream and then registers anew passes through it, and may leave
+        it during assert_healthy's own Allocate. Such a passage is waited out (the window
+        counts it); anything else still fails after END_STATE_TIMEOUT."""
+        k = self.k
+        deadline = time.monotonic() + END_STATE_TIMEOUT
+        while True:
+            calls = len(k.register_calls)
+            try:
+                k.assert_healthy(RESOURCE, self.count, since=mark, timeout=max(0.0, deadline - time.monotonic()))
+            except AssertionError:
+                if time.monotonic() >= deadline:
+                    raise
+                continue
+            time.sleep(SETTLE_S)
+            with k.cond:
+                if len(k.register_calls) == calls and all(r["done_at"] is not None for r in k.register_calls[mark:]):
+                    return
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"{RESOURCE}: Register calls went on after the reload's end state\n{k.dump(RESOURCE)}")
 
     def _stable(self) -> None:
         """Until the current registration is older than the daemon's STABLE_AFTER_S."""
@@ -161,20 +263,34 @@ class Lifecycle:
             time.sleep(left)
 
 
-def run(events: List[str], rounds: int, modes=MODES) -> List[Row]:
+def peak_per_second(times: List[float]) -> int:
+    """The most calls in any one second (a sliding window over the call times)."""
+    times = sorted(times)
+    best, j = 0, 0
+    for i, t in enumerate(times):
+        while times[j] <= t - 1.0:
+            j += 1
+        best = max(best, i - j + 1)
+    return best
+
+
+def run(events: List[str], rounds: int, modes=MODES, limit: bool = False) -> List[Row]:
     relay_rows, relay_adds = relay_cost(max(rounds, 200))
-    rows: List[Row] = list(relay_rows)
+    rows: List[Row] = list(relay_rows) + standin_let_go(max(rounds, 50))
     for mode in modes:
-        lc = Lifecycle(mode, seed=2026)
+        lc = Lifecycle(mode, seed=2026, limit=limit)
         try:
             by_event: Dict[str, List[dict]] = {}
             for event in events:
-                results = []
-                if event.startswith("kubelet-"):
-                    with BusyCore():
+                try:
+                    if event.startswith("kubelet-"):
+                        with BusyCore():
+                            results = [lc.round(event) for _ in range(rounds)]
+                    else:
                         results = [lc.round(event) for _ in range(rounds)]
-                else:
-                    results = [lc.round(event) for _ in range(rounds)]
+                except NotYet as e:
+                    rows.append(("lifecycle", f"{event} (kubelet {mode}): not run", str(e), "", ""))
+                    continue
                 by_event[event] = results
                 rows += event_rows(event, mode, results, rounds)
             rows += refusal_cost(mode, by_event, relay_adds)
@@ -182,7 +298,21 @@ def run(events: List[str], rounds: int, modes=MODES) -> List[Row]:
                          f"{ms(lc.log.max_gap)} ms", "", ""))
         finally:
             lc.close()
+        if limit:
+            rows += limit_rows(mode, lc, by_event)
     return rows
+
+
+def limit_rows(mode: str, lc: Lifecycle, by_event: Dict[str, List[dict]]) -> List[Row]:
+    """With kubelet's limit on: every call of atedevd's and of the node agent's, refused or not."""
+    calls = lc.k.pod_resources_calls()
+    ours = calls.get(OURS, {"answered": 0, "refused": 0})
+    agent = lc.agent_counts or {}
+    refused = ours["refused"]
+    return [("lifecycle", f"pod-resources limited as kubelet does (kubelet {mode}): atedevd's calls answered / refused",
+             f"{ours['answered']} / {refused}", "0 refused", verdict(refused == 0)),
+            ("lifecycle", "  the node agent beside (80/s): answered / refused / failed (kubelet down)",
+             f"{agent.get('answered', 0)} / {agent.get('refused', 0)} / {agent.get('failed', 0)}", "", "")]
 
 
 KINDS = (("is not registered", "unregistered"), ("no healthy devices present", "0 healthy"),
@@ -213,6 +343,18 @@ def event_rows(event: str, mode: str, results: List[dict], rounds: int) -> List[
     out = [("lifecycle", f"{on}: rejecting, p50/p99/max of {len(windows)}", stats(windows), target, ok)]
     out.append(("lifecycle", f"  rounds with a rejection / never admitted again / end state missed",
                 f"{rejecting} / {lost} / {len(failed)} of {rounds}", "- / 0 / 0", verdict(not lost and not failed)))
+    pods = [r["pods"] for r in results]
+    out.append(("lifecycle", f"  pods rejected (one put in every {POD_PERIOD_S * 1000:.0f} ms), p50/p99/max per round, all",
+                f"{percentile(pods, 50)}/{percentile(pods, 99)}/{max(pods)}, {sum(pods)} of {sum(r['put_in'] for r in results)}",
+                "", ""))
+    registers = sorted({r["registers"] for r in results})
+    none = event.startswith("reload-") and event != "reload-upgrade"  # issue 21: a reload registers nothing anew
+    out.append(("lifecycle", "  Register calls kubelet saw per round", "/".join(map(str, registers)),
+                "0" if none else "", verdict(registers == [0]) if none else ""))
+    answered = [r["pr_answered"] + r["pr_refused"] for r in results]
+    refused = sum(r["pr_refused"] for r in results)
+    out.append(("lifecycle", "  atedevd's pod-resources calls per round p50/max, most in one second; refused",
+                f"{percentile(answered, 50)}/{max(answered)}, {max(r['pr_peak'] for r in results)}/s; {refused}", "", ""))
     launches = [r["launch"] for r in results if r["launch"] is not None]
     if launches:
         out.append(("lifecycle", "  new process start -> Register arrives", stats(launches), "p50 <= 80 ms",
@@ -293,3 +435,46 @@ def relay_cost(n: int) -> Tuple[List[Row], float]:
     r, d = percentile(times["relay"], 50), percentile(times["direct"], 50)
     return [("lifecycle", f"stand-in: fresh connection + Register via kubelet.sock relay / direct, p50 of {n}",
              f"{r * 1000:.2f} / {d * 1000:.2f} ms (relay adds {(r - d) * 1000:+.2f})", "", "")], r - d
+
+
+def standin_let_go(n: int) -> List[Row]:
+    """The stand-in's own part of a let-go: a plugin in this process (tests/tiny_plugin.py)
+    registers and ends its stream; from that end, when its server no longer holds kubelet's
+    connection (atedevd.sockets.held_connections: what the daemon's let-go wait reads), and
+    when the stand-in has marked the devices unhealthy (its teardown done). A real kubelet
+    1.32 does both within 0.1-2.3 ms; a Python gRPC channel closed within 0.2 s of its dial
+    used to stay connected up to 0.2 s longer (see tests/kubelet_standin.py's _dial)."""
+    import shutil
+    import tempfile
+
+    from atedevd.sockets import held_connections
+    from tests.kubelet_standin import Kubelet
+    from tests.tiny_plugin import Plugin, register
+
+    root = tempfile.mkdtemp(prefix="atebench-", dir="/tmp")
+    plugin_dir = os.path.join(root, "device-plugins")
+    k = Kubelet(plugin_dir, pod_resources=False)
+    k.start()
+    gone, unhealthy = [], []
+    try:
+        for i in range(n):
+            p = Plugin(plugin_dir, f"p{i}.sock")
+            try:
+                register(k.socket, p, "example.com/thing")
+                if not k.wait_connected("example.com/thing", registrations=i + 1):
+                    raise RuntimeError(f"the plugin did not connect\n{k.dump()}")
+                client = k.clients["example.com/thing"]
+                ended = time.monotonic()
+                p.stopping.set()
+                while held_connections([p.path]) and time.monotonic() - ended < 5:
+                    time.sleep(0.0001)
+                gone.append(time.monotonic() - ended)
+                k.wait(lambda: client.torn_down_at is not None, 5)
+                unhealthy.append((client.torn_down_at or float("inf")) - ended)
+            finally:
+                p.stop()
+    finally:
+        k.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return [("lifecycle", f"stand-in: stream ended by the plugin -> kubelet's connection gone / devices unhealthy, of {n}",
+             f"{stats(gone)} / {stats(unhealthy)}", "kubelet 1.32: 0.1-2.3 ms", "")]

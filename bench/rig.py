@@ -75,9 +75,10 @@ def unit_environment() -> dict:
 
 
 class Rig:
-    """A temp node with the kubelet stand-in serving; `start()` runs the daemon."""
+    """A temp node with the kubelet stand-in serving (`kubelet_options`: more of its
+    constructor's, e.g. rate_limit); `start()` runs the daemon."""
 
-    def __init__(self, kubelet: bool = True, kubelet_mode: str = "current"):
+    def __init__(self, kubelet: bool = True, kubelet_mode: str = "current", **kubelet_options):
         self.root = tempfile.mkdtemp(prefix="atebench-", dir="/tmp")  # short: sun_path
         self.dev_root = fake_dev_root(os.path.join(self.root, "dev"))
         self.plugin_dir = os.path.join(self.root, "device-plugins")
@@ -85,7 +86,7 @@ class Rig:
         self.kubelet: Optional[TimedKubelet] = None
         self.daemon: Optional[Daemon] = None
         if kubelet:
-            self.kubelet = TimedKubelet(self.plugin_dir, kubelet=kubelet_mode)
+            self.kubelet = TimedKubelet(self.plugin_dir, kubelet=kubelet_mode, **kubelet_options)
             self.kubelet.start()
 
     @property

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from bench.lifecycle import kind, stats
+from bench.rig import percentile
 from tests.kubelet_standin import MODES
 
 Row = Tuple[str, str, str, str, str]
@@ -37,11 +38,11 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def unavailable() -> Optional[str]:
-    """Why the benchmark cannot run here, or None."""
+def unavailable(tools=TOOLS) -> Optional[str]:
+    """Why a benchmark that boots a container and needs `tools` cannot run here, or None."""
     if os.geteuid() != 0:
         return "needs root (it boots a systemd container)"
-    missing = [t for t in TOOLS if shutil.which(t, path="/usr/sbin:/usr/bin:/sbin:/bin") is None]
+    missing = [t for t in tools if shutil.which(t, path="/usr/sbin:/usr/bin:/sbin:/bin") is None]
     if missing:
         return f"needs {', '.join(missing)} (make deps installs them)"
     return None
@@ -109,6 +110,10 @@ def mode_rows(mode: str, results: List[dict]) -> List[Row]:
     registers = sorted({r["registers"] for r in results})
     on = f"package upgrade, apt install ./newer.deb (kubelet {mode})"
     out = [("upgrade", f"{on}: rejecting, p50/p99/max of {n}", stats(windows), "", "")]
+    pods = [r["pods"] for r in results]
+    out.append(("upgrade", "  pods rejected (one put in every 10 ms), p50/p99/max per upgrade, all",
+                f"{percentile(pods, 50)}/{percentile(pods, 99)}/{max(pods)}, {sum(pods)} of "
+                f"{sum(r['put_in'] for r in results)}", "", ""))
     out.append(("upgrade", "  rounds with a rejection / end state missed",
                 f"{sum(1 for w in windows if w > 0)} / {sum(1 for r in results if r['problems'])} of {n}", "- / 0",
                 verdict(not missed)))

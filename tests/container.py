@@ -458,7 +458,8 @@ def install_project(node: Container) -> None:
 
 
 def install_test_helpers(node: Container) -> None:
-    node.copy_in(REPO / "tests/kubelet_standin.py", f"{TEST_LIB}/kubelet_standin.py")
+    for helper in ("kubelet_standin.py", "node_agent.py"):
+        node.copy_in(REPO / "tests" / helper, f"{TEST_LIB}/{helper}")
     for helper in (REPO / "tests").glob("container_*.py"):
         node.copy_in(helper, f"{TEST_LIB}/{helper.name}")
 

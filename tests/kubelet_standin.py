@@ -42,7 +42,12 @@ descheduled there) widens it. The pod-resources API v1 (GetAllocatableResources,
 is served on `<root>/pod-resources/kubelet.sock`, root being the parent of the
 plugin directory, returning what kubelet returns: the devices in the
 resource's healthy set (which a stop empties and any later ListAndWatch
-message refills), regardless of the endpoint's stop time.
+message refills), regardless of the endpoint's stop time. kubelet rate-limits
+that API (apis/podresources/grpc/ratelimit.go: a token bucket, 100 requests a
+second with a burst of 10, for all clients together, a full bucket per kubelet
+process; the rest fail with ResourceExhausted "rejected by rate limit"): opt-in
+here for now (`rate_limit=KUBELET_RATE_LIMIT`, `serve --rate-limit`), every call
+counted per client either way (`pod_resources_calls`).
 
 Delays can be injected at each step on the kubelet side (`delays`, seconds or
 callables returning seconds): before_dial, after_dial, before_options,
@@ -53,19 +58,25 @@ teardown_lookup (between that lookup and the deregistration).
 Admission: `rejection(resource)` says why kubelet would reject (UnexpectedAdmissionError)
 a pod requesting the resource right now, as the device manager's Allocate checks at
 admission; `record_admission(resource)` logs it at every change and every millisecond,
-for the rejection-window benchmark.
+for the rejection-window benchmark. The pods bound to the node (`pods`: name, resource,
+the devices the checkpoint gave them) are admitted again by every kubelet start, as after
+a reboot, in one batch `first_admission` seconds after kubelet.sock appears (kubelet: its
+sync loop's first pass once the runtime is up; `readmission(pod)`), logged in
+`first_admissions`.
 
 Used in-process by the tests and benchmarks (`Kubelet`), and as a script in the
 systemd container and the demo:
   kubelet_standin.py serve --plugin-dir DIR --state FILE [--kubelet 1.32|current]
-      [--gap S] [--listen-gap S]
+      [--gap S] [--listen-gap S] [--rate-limit] [--pods FILE --first-admission S]
       (SIGHUP: restart like kubelet; SIGTERM: exit, leaving a stale socket)
   kubelet_standin.py allocate --plugin-dir DIR --resource R --ids a,b
 """
 
 import argparse
+import collections
 import glob
 import json
+import math
 import os
 import shutil
 import signal
@@ -76,7 +87,7 @@ import tempfile
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import grpc
 
@@ -98,6 +109,12 @@ MODES = ("1.32", "current")
 DELAY_STEPS = ("before_dial", "after_dial", "before_options", "before_set_endpoint", "before_return",
                "before_stream", "teardown", "teardown_lookup")
 _DIAL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]  # every dial is a fresh connection, as in Go
+# kubelet's pod-resources limiter (DefaultQPS, DefaultBurstTokens) and its refusal.
+KUBELET_RATE_LIMIT = (100.0, 10)
+RATE_LIMITED = "rejected by rate limit"
+# Off by default until atedevd's let-go wait stays inside the limit (it polls every 5 ms) and
+# takes ResourceExhausted for "ask again later"; then KUBELET_RATE_LIMIT, as kubelet has it.
+RATE_LIMIT_BY_DEFAULT = None
 
 Delay = Union[float, Callable[[], float]]
 
@@ -140,6 +157,7 @@ class Client:
         self.streaming = False  # the ListAndWatch call is open
         self.connected = False  # ... and its first message has arrived
         self.closed = False  # Disconnect() closed the connection
+        self.closed_at: Optional[float] = None  # ... and when its close returned
         self.stream_started_at: Optional[float] = None
         self.stream_ended_at: Optional[float] = None
         self.torn_down_at: Optional[float] = None  # the teardown after its stream ended finished
@@ -187,13 +205,16 @@ class Client:
             stream.cancel()
 
     def disconnect(self) -> None:
-        """c.Disconnect(): close the connection if dialed (ends its stream); the caller then
-        tells the device manager (PluginDisconnected)."""
+        """c.Disconnect(): close the connection if dialed (ends its stream), at once, as Go's
+        conn.Close() does; the caller then tells the device manager (PluginDisconnected), so
+        the plugin sees its connection gone before kubelet marks the devices unhealthy."""
         with self.inc.kubelet.cond:
             channel, self.channel = self.channel, None
             self.closed = True
         if channel is not None:
-            _close(channel)
+            channel.close()
+            with self.inc.kubelet.cond:
+                self.closed_at = time.monotonic()
 
 
 class _Incarnation:
@@ -215,6 +236,8 @@ class _Incarnation:
         self.channels: set = set()
         self.listeners: list = []  # kubelet.sock: a _KubeletSocket or _RenamedSocket
         self.servers: List[grpc.Server] = []  # Registration (first), pod-resources
+        limit = kubelet.rate_limit
+        self.limiter = TokenBucket(*limit) if limit is not None else None  # made with the server: full
 
     # --- the device manager (manager.go), called with the lock held ---------------------
 
@@ -264,12 +287,24 @@ class _Incarnation:
 class Kubelet:
     def __init__(self, plugin_dir: str, kubelet: str = "current", wipe: str = "sockets", on_change=None,
                  grace: float = GRACE_PERIOD_S, delays: Optional[Dict[str, Delay]] = None,
-                 pod_resources: bool = True, dial_timeout: float = DIAL_TIMEOUT_S, listen_gap: Delay = 0.0):
+                 pod_resources: bool = True, dial_timeout: float = DIAL_TIMEOUT_S, listen_gap: Delay = 0.0,
+                 rate_limit: Optional[Tuple[float, int]] = RATE_LIMIT_BY_DEFAULT, pods: Optional[List[dict]] = None,
+                 first_admission: Optional[Delay] = None):
         if kubelet not in MODES:
             raise ValueError(f"kubelet must be one of {MODES}, not {kubelet!r}")
         if not _is_gap(listen_gap):
             raise ValueError(f"listen_gap must be seconds >= 0, a callable returning them or a threading.Event, "
                              f"not {listen_gap!r}")
+        if rate_limit is not None and not (len(rate_limit) == 2 and rate_limit[0] > 0 and rate_limit[1] >= 1):
+            raise ValueError(f"rate_limit must be (requests a second > 0, burst >= 1) or None, not {rate_limit!r}")
+        if (first_admission is None) != (not pods) or not (
+                first_admission is None or callable(first_admission)
+                or (isinstance(first_admission, (int, float)) and first_admission >= 0)):
+            raise ValueError(f"pods and first_admission (seconds >= 0 or a callable) go together, not "
+                             f"{len(pods or ())} pods and {first_admission!r}")
+        for pod in pods or ():
+            if not isinstance(pod, dict) or not isinstance(pod.get("name"), str) or not isinstance(pod.get("resource"), str):
+                raise ValueError(f"a pod is {{'name': str, 'resource': str, 'devices': [str, ...]}}, not {pod!r}")
         unknown = set(delays or ()) - set(DELAY_STEPS)
         if unknown:
             raise ValueError(f"unknown delay steps {sorted(unknown)}; known: {DELAY_STEPS}")
@@ -283,6 +318,14 @@ class Kubelet:
         self.delays: Dict[str, Delay] = dict(delays or {})
         self.dial_timeout = dial_timeout
         self.listen_gap = listen_gap  # seconds (or a callable) from kubelet.sock's bind to its listen
+        self.rate_limit = rate_limit  # pod-resources: (requests a second, burst), None: unlimited
+        self.pods = [dict(p) for p in pods or ()]  # bound to the node: admitted again at each start
+        self.first_admission = first_admission  # seconds from kubelet.sock appearing to that batch
+        self.first_admissions: List[dict] = []  # per start: incarnation, serving_at, at, pods [{name, resource, reason}]
+        # pod-resources calls: the newest (monotonic time, client, method, answered), and counts of
+        # all of them per client ({"answered": n, "refused": n}); client: _client_of()
+        self.pod_resources_log: Deque[Tuple[float, str, str, bool]] = collections.deque(maxlen=100_000)
+        self.pod_resources_counts: Dict[str, Dict[str, int]] = {}
         self.cond = _Condition()  # an RLock: kubelet's mutexes, never held across a delay or an RPC
         self._started = 0
         self.inc = _Incarnation(self, 0)
@@ -386,6 +429,9 @@ class Kubelet:
 
     def _serve(self, inc: _Incarnation, listen_gap: Optional[Delay] = None) -> None:
         self._listen(inc, listen_gap)
+        if self.pods:
+            threading.Thread(target=self._first_admission, args=(inc, self.serving_at), daemon=True,
+                             name="first-admission").start()
         if self.pod_resources_socket:
             os.makedirs(os.path.dirname(self.pod_resources_socket), exist_ok=True)
             try:
@@ -553,9 +599,7 @@ class Kubelet:
                 raise KubeletError("kubelet is shutting down")
             channel = grpc.insecure_channel("unix:" + path, options=_DIAL_OPTIONS)
             inc.channels.add(channel)
-        try:
-            grpc.channel_ready_future(channel).result(timeout=self.dial_timeout)
-        except grpc.FutureTimeoutError:
+        if not _dial(channel, self.dial_timeout):
             _close(channel)
             raise KubeletError("failed to dial device plugin: context deadline exceeded")
         return channel
@@ -710,6 +754,45 @@ class Kubelet:
                 return f"endpoint {e!r}: the plugin's stream ended (Allocate would fail)"
             return None
 
+    def readmission(self, pod: dict, inc: Optional[_Incarnation] = None) -> Optional[str]:
+        """Why kubelet would reject `pod`, bound to the node with its containers not running
+        (a reboot), at admission now; None if it admits it. devicesToAllocate for such a
+        container checks, before anything else: the resource registered (from the checkpoint
+        too), a healthy device, every device the checkpoint gave it still healthy; with all of
+        its devices from before, it then asks the plugin nothing (no Allocate). A pod with no
+        devices from before is a new one: rejection()."""
+        with self.cond:
+            inc = inc or self.inc
+            if not inc.alive:
+                return DOWN
+            resource, before = pod["resource"], set(pod.get("devices") or ())
+            if not before:
+                return self.rejection(resource, inc)
+            if resource not in inc.healthy:
+                return f"cannot allocate unregistered device {resource}"
+            if not inc.healthy[resource]:
+                return f"no healthy devices present; cannot allocate unhealthy devices {resource}"
+            if not before <= inc.healthy[resource]:
+                return f"previously allocated devices are no longer healthy; cannot allocate unhealthy devices {resource}"
+            return None
+
+    def _first_admission(self, inc: _Incarnation, serving_at: float) -> None:
+        """The batch of pods bound to the node, `first_admission` seconds after kubelet.sock
+        appeared (kubelet's sync loop, once the runtime is up, handles them in one pass)."""
+        d = self.first_admission
+        left = serving_at + (d() if callable(d) else d) - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        with self.cond:
+            if not inc.alive:
+                return
+            batch = {"incarnation": inc.n, "serving_at": serving_at, "at": time.monotonic(),
+                     "pods": [{"name": p["name"], "resource": p["resource"], "reason": self.readmission(p, inc)}
+                              for p in self.pods]}
+            self.first_admissions.append(batch)
+            self.cond.notify_all()
+        self._changed()
+
     def admits(self, resource: str) -> bool:
         return self.rejection(resource) is None
 
@@ -761,6 +844,18 @@ class Kubelet:
             return 0
         resp = self.get_allocatable_resources()
         return len({i for d in resp.devices if d.resource_name == resource for i in d.device_ids})
+
+    def pod_resources_calls(self, since: float = 0.0) -> Dict[str, Dict[str, int]]:
+        """Pod-resources calls since `since` (monotonic; the newest 100,000), per client:
+        {"answered": n, "refused": n}."""
+        out: Dict[str, Dict[str, int]] = {}
+        with self.cond:
+            log = list(self.pod_resources_log)
+        for at, client, _method, answered in log:
+            if at >= since:
+                counts = out.setdefault(client, {"answered": 0, "refused": 0})
+                counts["answered" if answered else "refused"] += 1
+        return out
 
     def devices(self, resource: str) -> Dict[str, str]:
         """The device manager's view: every known ID of the resource and its health."""
@@ -957,8 +1052,11 @@ class Kubelet:
                     "allocatable": caps.get(name, (0, 0))[1],
                     "live_streams": sum(1 for x in inc.all_clients if x.resource == name and x.streaming),
                 }
+            calls = {client: dict(counts) for client, counts in self.pod_resources_counts.items()}
             return {"pid": os.getpid(), "mode": self.mode, "restarts": self.restarts, "alive": inc.alive,
-                    "resources": resources}
+                    "resources": resources, "pod_resources_calls": calls,
+                    "first_admissions": [dict(b, pods=[dict(p) for p in b["pods"]]) for b in self.first_admissions],
+                    "rate_limit": list(self.rate_limit) if self.rate_limit else None}
 
     def write_checkpoint(self) -> None:
         """As kubelet does after every ListAndWatch message (called with the lock held):
@@ -1014,6 +1112,7 @@ class _Condition(threading.Condition):
 
 
 DOWN = "kubelet is not running"  # Kubelet.rejection(): no kubelet, so no admission (nothing rejected)
+POD_PERIOD_S = 0.01  # AdmissionLog.pods_rejected(): a pod put in every 10 ms (100 a second)
 
 
 class AdmissionLog:
@@ -1099,6 +1198,26 @@ class AdmissionLog:
             if state == "reject" and b > a:
                 out[reason] = out.get(reason, 0.0) + b - a
         return out
+
+    def pods_rejected(self, t0: float, t1: float, period: float = POD_PERIOD_S) -> Tuple[int, int]:
+        """(rejected, put in): the pods an admission loop putting one in every `period`
+        seconds (at the multiples of `period` on the monotonic clock) within [t0, t1] would
+        have seen rejected, and how many it put in while kubelet ran. Read from the
+        transitions, which are stamped as kubelet's state changes: a loop's own lateness on a
+        busy machine is not in it."""
+        with self.kubelet.cond:
+            marks = list(self.transitions)
+        rejected = put_in = 0
+        for i, (at, state, _reason) in enumerate(marks):
+            end = marks[i + 1][0] if i + 1 < len(marks) else max(t1, at)
+            a, b = max(at, t0), min(end, t1)
+            if b <= a or state == "down":
+                continue
+            n = math.floor(b / period - 1e-12) - math.floor(a / period - 1e-12)  # multiples in (a, b]
+            put_in += n
+            if state == "reject":
+                rejected += n
+        return rejected, put_in
 
     def rejected(self, t0: float, t1: float) -> Tuple[float, int, List[str]]:
         """(seconds rejecting within [t0, t1], how many separate rejecting spells, their reasons)."""
@@ -1296,15 +1415,64 @@ class _Registration:
 
 
 class _PodResources:
+    """The v1.PodResourcesLister servicer of one kubelet process, behind its limiter."""
+
     def __init__(self, kubelet: Kubelet, inc: _Incarnation):
         self.kubelet = kubelet
         self.inc = inc
 
+    def _admit(self, method: str, context) -> None:
+        """kubelet's LimiterUnaryServerInterceptor: refuse when the bucket is empty; count either way."""
+        answered = self.inc.limiter is None or self.inc.limiter.allow()
+        client = _client_of(context)
+        with self.kubelet.cond:
+            self.kubelet.pod_resources_log.append((time.monotonic(), client, method, answered))
+            counts = self.kubelet.pod_resources_counts.setdefault(client, {"answered": 0, "refused": 0})
+            counts["answered" if answered else "refused"] += 1
+            self.kubelet.cond.notify_all()
+        if not answered:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, RATE_LIMITED)
+
     def GetAllocatableResources(self, request, context):
+        self._admit("GetAllocatableResources", context)
         return self.kubelet.get_allocatable_resources(self.inc)
 
     def List(self, request, context):
+        self._admit("List", context)
         return prpb.ListPodResourcesResponse()  # no pods on this node
+
+
+class TokenBucket:
+    """golang.org/x/time/rate's Limiter as kubelet uses it (Allow): `burst` tokens at first,
+    refilled at `rate` a second up to `burst`; a call takes one or is refused."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic):
+        self.rate = float(rate)
+        self.burst = int(burst)
+        self._clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            if self._tokens >= 1:
+                self._tokens -= 1
+                return True
+            return False
+
+
+def _client_of(context) -> str:
+    """Who made a pod-resources call, for counting: the product of its user-agent
+    (`node-agent` for tests/node_agent.py, `grpc-python` for atedevd and other Python
+    clients that set none). grpc gives a unix socket's peer as "unix:", whoever it is."""
+    for key, value in context.invocation_metadata():
+        if key == "user-agent" and value:
+            return value.split()[0].split("/")[0]
+    return "unknown"
 
 
 def _invalid(request) -> Optional[str]:
@@ -1318,8 +1486,40 @@ def _invalid(request) -> Optional[str]:
     return None
 
 
+def _dial(channel: grpc.Channel, timeout: float) -> bool:
+    """grpc.DialContext(..., WithBlock()): until the channel is connected (True) or `timeout`
+    seconds have passed (False).
+
+    Not grpc.channel_ready_future: its connectivity poller watches the channel in 0.2 s
+    steps and lingers for one more step after the channel is ready, and a close() waits for
+    that watch to come due (grpc's cygrpc `_close`: "TODO: Cancel connectivity watching"), so
+    a connection closed within 0.2 s of its dial stayed open up to 0.2 s longer, where Go's
+    kubelet closes it at once. Watched here one state change at a time instead, nothing is
+    left pending once it is ready, and close() takes a tenth of a millisecond. Through the
+    channel's core object (grpc's own poller uses the same two calls); a grpc without them
+    gets the ready future and its linger."""
+    core = getattr(channel, "_channel", None)
+    if not (hasattr(core, "check_connectivity_state") and hasattr(core, "watch_connectivity_state")):
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+    from grpc._cython import cygrpc
+
+    deadline = time.time() + timeout  # the core's deadlines are on the realtime clock
+    state = core.check_connectivity_state(True)
+    while state != cygrpc.ConnectivityState.ready:
+        if time.time() >= deadline:
+            return False
+        core.watch_connectivity_state(state, deadline)  # returns at the next change, or the deadline
+        state = core.check_connectivity_state(True)  # try again after a failure (Go's WithBlock retries)
+    return True
+
+
 def _close(channel: grpc.Channel) -> None:
-    # grpc's close takes ~0.2 s (its poller's period); kubelet does not wait for it
+    """Close in the background, for a kill dropping every connection at once (a close
+    waits until the channel's open calls are cancelled and drained)."""
     threading.Thread(target=channel.close, daemon=True).start()
 
 
@@ -1327,7 +1527,7 @@ def _close_client_channel(c: Client) -> None:
     with c.inc.kubelet.cond:
         channel, c.channel, c.stub = c.channel, None, None
     if channel is not None:
-        _close(channel)
+        channel.close()
 
 
 def _t(at: Optional[float], t0: float) -> str:
@@ -1388,7 +1588,9 @@ def _serve(args) -> int:
             _write_state(args.state, k)
 
     kubelet = Kubelet(args.plugin_dir, kubelet=args.kubelet, on_change=on_change if args.state else None,
-                      grace=args.grace, pod_resources=not args.no_pod_resources, listen_gap=args.listen_gap)
+                      grace=args.grace, pod_resources=not args.no_pod_resources, listen_gap=args.listen_gap,
+                      rate_limit=KUBELET_RATE_LIMIT if args.rate_limit else None, pods=_read_pods(args.pods),
+                      first_admission=args.first_admission)
     restart = threading.Event()
     stop = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: restart.set())
@@ -1409,6 +1611,14 @@ def _serve(args) -> int:
                 last = state
     kubelet.kill()
     return 0
+
+
+def _read_pods(path: Optional[str]) -> Optional[List[dict]]:
+    """The pods bound to the node: a JSON list of {"name", "resource", "devices"}."""
+    if not path:
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _allocate(args) -> int:
@@ -1449,6 +1659,11 @@ def main(argv=None) -> int:
                    help="seconds between kubelet.sock appearing and kubelet listening on it (Register refused meanwhile)")
     s.add_argument("--grace", type=float, default=GRACE_PERIOD_S, help="seconds a stopped endpoint's resource is kept")
     s.add_argument("--no-pod-resources", action="store_true", help="do not serve <root>/pod-resources/kubelet.sock")
+    s.add_argument("--pods", help="the pods bound to the node (JSON: [{name, resource, devices}]), admitted again "
+                                   "at each start, as after a reboot")
+    s.add_argument("--first-admission", type=float, help="seconds from kubelet.sock appearing to that admission")
+    s.add_argument("--rate-limit", action=argparse.BooleanOptionalAction, default=RATE_LIMIT_BY_DEFAULT is not None,
+                   help="limit pod-resources as kubelet does: 100 requests a second, burst 10, all clients together")
     a = sub.add_parser("allocate")
     a.add_argument("--plugin-dir", required=True)
     a.add_argument("--resource", required=True)

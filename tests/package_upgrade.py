@@ -142,6 +142,7 @@ def upgrade(node: Container, deb: Path, units: int = UNITS, timeout: float = 60.
     kubelet's pod-resources count read back as `units`). Returns
       rejected: seconds kubelet would have rejected a pod, from the command's start to that end;
       spells, reasons: rejecting spells and kubelet's reasons;
+      pods, put_in: of the pods an admission loop put in every 10 ms meanwhile, rejected and all;
       registers: Register calls kubelet received; accepted: registrations it accepted;
       timeline: [(seconds from the command's start, what)], sorted;
       problems: what is wrong with the end state (empty when it is right).
@@ -237,7 +238,8 @@ def upgrade(node: Container, deb: Path, units: int = UNITS, timeout: float = 60.
                         "-o", "cat").stdout.strip()
     if warnings and warnings != "-- No entries --":
         problems.append(f"warnings in atedevd's journal during the upgrade:\n{warnings}")
-    return {"rejected": rejected, "spells": spells, "reasons": reasons,
+    pods, put_in = log.pods_rejected(t0, t1)
+    return {"rejected": rejected, "spells": spells, "reasons": reasons, "pods": pods, "put_in": put_in,
             "by_reason": log.rejected_by_reason(t0, t1), "registers": len(registers),
             "accepted": accepted, "timeline": timeline, "problems": problems, "end": t1 - t0,
             "max_gap": s["admission"]["max_gap"], "samples": s["admission"]["samples"]}

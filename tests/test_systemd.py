@@ -354,7 +354,8 @@ def test_plugin_dir_deleted_and_recreated_while_running(clean):
     node = clean
     start_and_register(node)
     stop_standin(node)
-    node.run("rm", "-rf", "/var/lib/kubelet")
+    # The daemon, which saw kubelet go, may add a socket while rm walks the tree: again until gone.
+    node.sh("for i in $(seq 50); do rm -rf /var/lib/kubelet 2>/dev/null && exit 0; done; rm -rf /var/lib/kubelet")
     start_standin(node)  # a new kubelet: new directory, new kubelet.sock
     wait_registered(node, 1, timeout=60)
     assert node.show("atedevd", "ActiveState")["ActiveState"] == "active"
@@ -526,59 +527,3 @@ def test_the_let_go_wait_sees_kubelets_connection_from_inside_the_sandbox(clean)
     text = wait_journal(node, cur, lambda s: "kubelet let go of our old socket" in s, "the let-go wait's end", "-o", "cat")
     assert re.search(r"kubelet holds [1-9]\d* connection\(s\) to our old socket", text), text
     assert re.search(r"kubelet let go of our old socket after \d+ ms \(confirm\)", text), text
-
-
-# --- boot: atedevd is up before kubelet first serves ------------------------------------------
-
-BOOT_KUBELET_UNIT = f"""[Unit]
-Description=kubelet stand-in with timestamps, as kubelet.service
-[Service]
-ExecStartPre=/bin/mkdir -p -m 0750 /var/lib/kubelet {PLUGIN_DIR} /run/kubelet-standin
-ExecStart=/usr/bin/python3 {TEST_LIB}/container_timed_standin.py serve --plugin-dir {PLUGIN_DIR} --state {STANDIN_STATE}
-KillSignal=SIGTERM
-[Install]
-WantedBy=multi-user.target
-"""
-# nspawn gives the container /dev/net/tun before init runs; /dev/kvm the tests make after boot.
-BOOT_CONFIG = '[[device]]\nresource = "ate.dev/tun"\npath = "/dev/net/tun"\n'
-
-
-def test_boot_atedevd_is_waiting_when_kubelet_first_serves():
-    """Both units enabled, the node booted: systemd starts atedevd before kubelet.service
-    (Before=, ordering only) and kubelet's first kubelet.sock gets our Register at once.
-    Prints how long after kubelet.sock appeared Register arrived (not asserted: a timing)."""
-    node = Container(cached_rootfs(FULL))
-    try:
-        node.mount()
-        install_project(node)
-        node.write("/etc/systemd/system/kubelet.service", BOOT_KUBELET_UNIT)
-        node.write(CONFIG, BOOT_CONFIG)
-        wants = node.path("/etc/systemd/system/multi-user.target.wants")
-        wants.mkdir(parents=True, exist_ok=True)
-        for unit in ("atedevd.service", "kubelet.service"):
-            (wants / unit).symlink_to(f"/etc/systemd/system/{unit}")
-        node.boot()
-
-        def timing():
-            t = (standin_state(node) or {}).get("timing") or {}
-            first = [h for h in t.get("healthy", []) if h[1] == "ate.dev/tun"]
-            return t if first and first[0][3] == 1024 else None
-
-        t = wait_until(timing, 60, "ate.dev/tun registered with the kubelet started at boot",
-                       lambda: f"{standin_state(node)}\n{diagnostics(node)}\n{node.journal('-b', '-n', '60')}")
-        # The order systemd followed: kubelet.service after atedevd.service, which was up first.
-        assert "atedevd.service" in node.show("kubelet", "After")["After"].split()
-        ready = int(node.show("atedevd", "ActiveEnterTimestampMonotonic")["ActiveEnterTimestampMonotonic"])
-        kubelet_start = int(node.show("kubelet", "ExecMainStartTimestampMonotonic")["ExecMainStartTimestampMonotonic"])
-        assert 0 < ready <= kubelet_start, (ready, kubelet_start)
-        assert node.show("atedevd", "NRestarts")["NRestarts"] == "0"
-        # The first kubelet.sock got one Register, accepted, after it appeared (none before: nothing to call).
-        sock = t["sock"][0]
-        registers = [r for r in t["registers"] if r["endpoint"].startswith("ate.dev_tun.")]
-        assert registers and registers[0]["error"] is None and registers[0]["at"] >= sock, t
-        assert len(registers) == 1, t
-        print(f"boot: atedevd READY {(kubelet_start - ready) / 1000:.1f} ms before kubelet.service's process started; "
-              f"Register received {(registers[0]['at'] - sock) * 1000:.2f} ms after kubelet.sock appeared; "
-              f"{t['healthy'][0][3]} units healthy {(t['healthy'][0][0] - sock) * 1000:.1f} ms after it")
-    finally:
-        node.destroy()
