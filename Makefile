@@ -37,7 +37,7 @@ bench: deps
 # 100; QUICK=1: 10), EVENTS a subset (bench/lifecycle.py lists them); then, under a real
 # systemd (root), a package upgrade (bench-upgrade) and the boot: kubelet's first batch of
 # pods after a boot, 1 and 16 resources (20 boots per row; QUICK=1: 5); given EVENTS, only
-# the lifecycle rows. LIMIT=1: kubelet's pod-resources limit in the stand-in, and a node
+# the lifecycle rows. The stand-in limits pod-resources as kubelet does; LIMIT=1 adds a node
 # agent polling it 80 times a second beside atedevd.
 bench-lifecycle: deps
 	$(PYTHON) -m bench --only lifecycle $(if $(EVENTS),,--only upgrade --only boot) $(if $(QUICK),--quick) $(if $(filter command line environment,$(origin ROUNDS)),--rounds $(ROUNDS)) $(foreach e,$(EVENTS),--event $(e)) $(if $(LIMIT),--limit)

@@ -27,10 +27,10 @@ to pod-resources. The events:
   stream-ended        kubelet ends our ListAndWatch stream
 
 socket-deleted and stream-ended rounds come after a stable registration (more than the
-daemon's STABLE_AFTER_S): an early stream end backs off on purpose. With `limit`, the
-stand-in limits pod-resources as kubelet does (100 a second, burst 10, all clients
-together) and a node agent (tests/node_agent.py, a process of its own) polls it 80 times a
-second beside atedevd; the rows then say how many of atedevd's calls were refused.
+daemon's STABLE_AFTER_S): an early stream end backs off on purpose. The stand-in limits
+pod-resources as kubelet does (100 a second, burst 10, all clients together); with
+`limit`, a node agent (tests/node_agent.py, a process of its own) polls it 80 times a
+second beside atedevd. The rows say how many of atedevd's calls were refused.
 """
 
 import os
@@ -45,7 +45,7 @@ from atedevd.registration import STABLE_AFTER_S
 from bench.rig import BusyCore, Rig, percentile
 from tests import node_agent
 from tests.harness import RESOURCE, current_socket
-from tests.kubelet_standin import KUBELET_RATE_LIMIT, MODES, POD_PERIOD_S, KubeletError
+from tests.kubelet_standin import MODES, POD_PERIOD_S, KubeletError
 
 Row = Tuple[str, str, str, str, str]
 EVENTS = ("kubelet-restart", "kubelet-listen-gap", "daemon-sigterm", "daemon-kill-9", "reload-unchanged",
@@ -90,7 +90,7 @@ class Lifecycle:
     def __init__(self, mode: str, seed: int, limit: bool = False):
         self.mode = mode
         self.rng = random.Random(seed)
-        self.rig = Rig(kubelet_mode=mode, rate_limit=KUBELET_RATE_LIMIT if limit else None)
+        self.rig = Rig(kubelet_mode=mode)  # kubelet's pod-resources limit, as the stand-in has it
         self.k = self.rig.kubelet
         self.agent = node_agent.spawn(self.k.pod_resources_socket) if limit else None
         self.agent_counts: Optional[dict] = None

@@ -45,9 +45,9 @@ resource's healthy set (which a stop empties and any later ListAndWatch
 message refills), regardless of the endpoint's stop time. kubelet rate-limits
 that API (apis/podresources/grpc/ratelimit.go: a token bucket, 100 requests a
 second with a burst of 10, for all clients together, a full bucket per kubelet
-process; the rest fail with ResourceExhausted "rejected by rate limit"): opt-in
-here for now (`rate_limit=KUBELET_RATE_LIMIT`, `serve --rate-limit`), every call
-counted per client either way (`pod_resources_calls`).
+process; the rest fail with ResourceExhausted "rejected by rate limit"): so does
+the stand-in, unless told not to (`rate_limit=None`, `serve --no-rate-limit`),
+every call counted per client either way (`pod_resources_calls`).
 
 Delays can be injected at each step on the kubelet side (`delays`, seconds or
 callables returning seconds): before_dial, after_dial, before_options,
@@ -112,9 +112,9 @@ _DIAL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]  # every dial is a fresh
 # kubelet's pod-resources limiter (DefaultQPS, DefaultBurstTokens) and its refusal.
 KUBELET_RATE_LIMIT = (100.0, 10)
 RATE_LIMITED = "rejected by rate limit"
-# Off by default until atedevd's let-go wait stays inside the limit (it polls every 5 ms) and
-# takes ResourceExhausted for "ask again later"; then KUBELET_RATE_LIMIT, as kubelet has it.
-RATE_LIMIT_BY_DEFAULT = None
+# On, as kubelet has it: atedevd stays inside it (a budget of its own, 20 a second) and takes
+# ResourceExhausted for "ask again later".
+RATE_LIMIT_BY_DEFAULT = KUBELET_RATE_LIMIT
 
 Delay = Union[float, Callable[[], float]]
 

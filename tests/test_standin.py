@@ -310,10 +310,11 @@ def ask(socket_path: str, user_agent: str = "") -> grpc.StatusCode:
         channel.close()
 
 
-def test_pod_resources_limit_is_shared_counted_per_client_and_opt_in(plugin_dir):
+def test_pod_resources_limit_is_shared_counted_per_client_and_on_by_default(plugin_dir):
     """One bucket for every client of the socket (an agent's calls leave fewer for us),
     refusals ResourceExhausted "rejected by rate limit", each call counted under its client;
-    a restarted kubelet starts with a full bucket; without rate_limit nothing is refused."""
+    a restarted kubelet starts with a full bucket; kubelet's own limit by default, and with
+    rate_limit=None nothing is refused."""
     k = Kubelet(plugin_dir, rate_limit=(0.001, 3))  # 3, then nothing for the test's duration
     try:
         k.start()
@@ -328,7 +329,8 @@ def test_pod_resources_limit_is_shared_counted_per_client_and_opt_in(plugin_dir)
         assert k.state()["pod_resources_calls"]["grpc-python"] == {"answered": 2, "refused": 1}
     finally:
         k.close()
-    unlimited = Kubelet(plugin_dir)
+    assert Kubelet(plugin_dir).rate_limit == KUBELET_RATE_LIMIT
+    unlimited = Kubelet(plugin_dir, rate_limit=None)
     try:
         unlimited.start()
         assert all(ask(unlimited.pod_resources_socket) == grpc.StatusCode.OK for _ in range(30))
