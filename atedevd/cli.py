@@ -11,7 +11,7 @@ import traceback
 from types import SimpleNamespace
 from typing import List, Optional
 
-from atedevd import config, instance, restarts, version
+from atedevd import config, instance, restarts, upgrade, version
 from atedevd.systemd import journal_is_stderr, setup_logging
 
 EX_RUNTIME = 1
@@ -116,9 +116,14 @@ def _run(args, cfg: config.Config) -> int:
     setup_logging(cfg.log_level)
     from atedevd.daemon import Daemon  # imports grpc: only when serving
 
+    parent = None
     try:
-        instance.acquire(cfg.device_plugin_dir)
-    except (instance.AlreadyRunning, OSError) as e:
+        if upgrade.Parent.asked(os.environ):  # started by the daemon we take over from: its lock is ours too
+            parent = upgrade.Parent(os.environ)
+            lock_fd = parent.lock_fd
+        else:
+            lock_fd = instance.acquire(cfg.device_plugin_dir)
+    except (instance.AlreadyRunning, OSError, ValueError) as e:
         logging.getLogger("atedevd").error("not starting: %s", e)
         return EX_RUNTIME
     overrides = {k: v for k, v in (("device_plugin_dir", args.device_plugin_dir), ("dev_root", args.dev_root),
@@ -126,7 +131,8 @@ def _run(args, cfg: config.Config) -> int:
                                    ("metrics_dir", args.metrics_dir)) if v is not None}
     code = EX_RUNTIME
     try:
-        code = Daemon(cfg, args.config or config.DEFAULT_CONFIG_PATH, args.config is not None, overrides).run()
+        code = Daemon(cfg, args.config or config.DEFAULT_CONFIG_PATH, args.config is not None, overrides,
+                      lock_fd, parent).run()
         restarts.ended_cleanly()  # stopped, or exiting on purpose: no crash-loop delay next time
     except BaseException as e:  # a bug: say so in one line and exit, whatever it was
         _log_crash(e)

@@ -41,7 +41,12 @@ MAX_FILE_BYTES = 1 << 20
 MIN_COUNT, MAX_COUNT = 1, 65536
 MAX_DEVICE_ID = 63  # kubelet's limit on a device ID
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DAEMON_KEYS = ("device_plugin_dir", "dev_root", "sys_root", "log_level", "metrics_dir")
+DAEMON_KEYS = ("device_plugin_dir", "dev_root", "sys_root", "log_level", "metrics_dir", "kubelet_endpoints")
+# How kubelet keys a resource's endpoints: by resource name (kubelet <= 1.36: a successor may
+# register only once kubelet let go of its predecessor) or by socket (kubernetes PR #135437,
+# kubelet 1.37: the two may overlap). Nothing on the wire tells them apart without risking the
+# registration on the older kubelet, so the operator says which the node runs.
+KUBELET_ENDPOINTS = ("per-resource", "per-socket")
 DEVICE_KEYS = ("resource", "path", "count", "permissions", "allow_host_access", "companions")
 MAX_COMPANIONS = 8
 _GLOB = "*?["  # a path with one of these is a pattern: one exclusive unit per matching node
@@ -101,6 +106,7 @@ class Config(NamedTuple):
     sys_root: str = "/sys"  # where the kernel's account of a node is read (the policy, NUMA nodes)
     log_level: str = "info"
     metrics_dir: Optional[str] = None  # node_exporter's textfile directory; None: the default, "": off
+    kubelet_endpoints: str = "per-resource"  # KUBELET_ENDPOINTS: the safe default
     devices: Tuple[Device, ...] = DEFAULT_DEVICES
     source: Optional[str] = None  # the file read; None for the built-in defaults
 
@@ -398,6 +404,11 @@ def _check_daemon_value(key: str, value) -> Optional[str]:
         close = _close_matches(value.lower(), LOG_LEVELS, n=1)
         hint = f'; did you mean "{close[0]}"?' if close else ""
         return f"must be one of {', '.join(LOG_LEVELS)}, got {_q(value)}{hint}"
+    if key == "kubelet_endpoints":
+        if value in KUBELET_ENDPOINTS:
+            return None
+        return (f'must be "per-resource" (kubelet 1.36 and older) or "per-socket" (kubelet with kubernetes '
+                f'PR #135437, 1.37), got {_q(value)}')
     if key == "metrics_dir" and value == "":
         return None  # metrics off
     if "\0" in value:

@@ -19,7 +19,7 @@ import signal
 import time
 from typing import Callable, List, Optional, Tuple
 
-from atedevd import devices, metrics, sockets
+from atedevd import devices, handoff, instance, metrics, sockets, upgrade
 from atedevd.config import Config, ConfigError, load
 from atedevd.host import Host
 from atedevd.kubelet import warm_up
@@ -37,12 +37,21 @@ START_WORK_LATEST_S = 0.5  # the start's deferred work waits for the first Regis
 
 
 class Daemon:
-    def __init__(self, cfg: Config, config_path: str, config_required: bool, overrides: dict):
+    def __init__(self, cfg: Config, config_path: str, config_required: bool, overrides: dict,
+                 lock_fd: int = -1, parent: Optional[upgrade.Parent] = None):
         self.cfg = cfg
         self.config_path = config_path
         self.config_required = config_required
         self.overrides = overrides
-        self.notifier = Notifier()
+        self.lock_fd = lock_fd  # the instance lock (a successor inherits it)
+        # An upgrade (atedevd/handoff.py): as a successor, `parent` is the daemon we take over
+        # from; as a predecessor, `child` is the one we hand over to.
+        self.parent, self.successor = parent, handoff.Successor() if parent else None
+        self.child: Optional[upgrade.Child] = None
+        self.predecessor: Optional[handoff.Predecessor] = None
+        self._installed: Optional[tuple] = None  # the package's files as they were once started
+        self._handed_over = False  # our successor is main: exit without a last word
+        self.notifier = Notifier(quiet=parent is not None)  # a successor speaks to systemd once main
         self.reload_error: Optional[str] = None
         self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._start_work_due: Optional[float] = None
@@ -52,10 +61,12 @@ class Daemon:
         # No thread before the first Registers (each Register starts what kubelet's calls after
         # it need, Workers.registering); the rest of the pool once they are sent (_start_work).
         self._workers = Workers(len(cfg.devices), start_now=0)
-        self.metrics = metrics.TextfileWriter(metrics.resolve_dir(cfg.metrics_dir))
+        self.metrics = metrics.TextfileWriter(None if parent else metrics.resolve_dir(cfg.metrics_dir))
         self._run_id = sockets.new_run_id()
         self.host = Host(cfg.device_plugin_dir, self._workers, self._post)
         self.node = Node(cfg.device_plugin_dir, cfg.dev_root, cfg.sys_root, self.host, self._run_id, self._serve_failed)
+        if parent is not None:  # serve, but register once the predecessor says so
+            self.node.held, self.node.inherited = True, parent.inherited
 
     # --- life cycle -----------------------------------------------------------
 
@@ -83,16 +94,26 @@ class Daemon:
 
     def _loop(self) -> None:
         poller = select.poll()
-        fds = (self._watcher.fileno(), self._wake_r, self._sig_r)
-        for fd in fds:
+        base = (self._watcher.fileno(), self._wake_r, self._sig_r)
+        for fd in base:
             poller.register(fd, select.POLLIN)
+        talk: Optional[int] = None  # the upgrade's channel, while there is one
         next_watchdog = time.monotonic()
         while not self.node.stopped:
+            other = self._other_side()
+            if (other.fileno() if other is not None else None) != talk:
+                if talk is not None:
+                    poller.unregister(talk)
+                talk = other.fileno() if other is not None else None
+                if talk is not None:
+                    poller.register(talk, select.POLLIN)
+            fds = base + ((talk,) if talk is not None else ())
             now = time.monotonic()
             if self.notifier.watchdog_interval and now >= next_watchdog:
                 self.notifier.watchdog()
                 next_watchdog = now + self.notifier.watchdog_interval
             deadlines = [self.node.deadline(), self._start_work_due,
+                         self.predecessor.deadline if self.predecessor is not None else None,
                          self._watcher.poll_deadline(),  # directories inotify could not watch are polled
                          next_watchdog if self.notifier.watchdog_interval else None, self.metrics.deadline()]
             deadlines = [d for d in deadlines if d is not None]
@@ -103,6 +124,8 @@ class Daemon:
                 elif fd == self._wake_r:
                     os.read(fd, 4096)
                     self._drain_inbox()
+                elif fd == talk:
+                    self._on_talk(other.receive())
                 else:
                     self._on_fs_events(self._watcher.read())
             poll_at = self._watcher.poll_deadline()
@@ -114,6 +137,7 @@ class Daemon:
             if self._start_work_due is not None and (
                     now >= self._start_work_due or self.node.stopping or self.node.registers_sent()):
                 self._start_work()
+            self._upgrade_steps(now)
             self.notifier.status(self._status())
             self._write_metrics()
 
@@ -131,15 +155,19 @@ class Daemon:
         names = (d.resource for d in self.cfg.devices)
         for path in sockets.remove_leftovers(self.cfg.device_plugin_dir, names, keep_run=self._run_id):
             event(INFO, "leftover-removed", f"removed {path}, left behind by an earlier run", socket=path)
+        self._installed = upgrade.fingerprint()  # a reload compares: the package was upgraded?
         self._write_metrics()
         if not self.node.kubelet.serving:  # kubelet comes later (boot): its first Register need not pay for grpc's first channel
             warm_up(self.cfg.device_plugin_dir)
 
     def _shutdown(self) -> None:
-        event(INFO, "stopping", "stopping: removing our sockets")
+        if self._handed_over:
+            event(INFO, "stopping", f"handed over to the new atedevd (pid {self.child.pid}); removing our sockets")
+        else:
+            event(INFO, "stopping", "stopping: removing our sockets")
         self.node.close(time.monotonic())
         sockets.remove_standby_dir(self.cfg.device_plugin_dir)  # nothing of ours left in kubelet's directory
-        self._write_metrics(force=True)  # the last word: every resource stopped, not registered
+        self._write_metrics(force=True)  # the last word: every resource stopped, not registered (not after a handover: off)
         self._workers.shutdown(wait=False)
         self._watcher.close()
 
@@ -148,6 +176,8 @@ class Daemon:
         if self.node.stopping:
             return
         self.notifier.stopping()
+        if self.child is not None and self.predecessor is not None and self.predecessor.phase is not handoff.Phase.DONE:
+            self.child.terminate()  # an upgrade under way: the new one stops too
         self.node.begin_stop(time.monotonic())
 
     # --- inputs ---------------------------------------------------------------
@@ -172,7 +202,7 @@ class Daemon:
         for signum in signums:
             if signum in (signal.SIGTERM, signal.SIGINT):
                 self._begin_stop()
-            elif signum == signal.SIGHUP and not self.node.stopping:
+            elif signum == signal.SIGHUP and not self.node.stopping and self._upgrading() is None:
                 self._reload()
 
     def _on_fs_events(self, events) -> None:
@@ -231,6 +261,9 @@ class Daemon:
 
     def _reload(self) -> None:
         self.notifier.reloading()
+        if self._installed is not None and upgrade.fingerprint() != self._installed:
+            self._upgrade()
+            return
         try:
             cfg = load(self.config_path, required=self.config_required, overrides=self.overrides)
         except ConfigError as e:
@@ -242,6 +275,105 @@ class Daemon:
             self._apply(cfg)
             event(INFO, "reloaded", f"configuration reloaded: {self._summary()}")
         self.notifier.ready(self._status())
+
+    # --- an upgrade, handed to a warm successor (atedevd/handoff.py) --------------------------
+
+    def _upgrading(self) -> Optional[str]:
+        """Which side of an upgrade under way this daemon is on, if any."""
+        if self.predecessor is not None and self.predecessor.phase not in (handoff.Phase.FAILED,):
+            return "predecessor"
+        if self.successor is not None and self.parent is not None:
+            return "successor"
+        return None
+
+    def _other_side(self):
+        """The other process of an upgrade under way (its channel), if any."""
+        if self.child is not None and self.predecessor is not None and self.predecessor.phase is not handoff.Phase.FAILED:
+            return self.child
+        return self.parent
+
+    def _upgrade(self) -> None:
+        """The installed atedevd is another: start it, and hand over to it once it is ready."""
+        now = time.monotonic()
+        served = [r.name for r in self.node.resources.values() if r.advertised]
+        try:
+            self.child = upgrade.Child(self.lock_fd, served)
+        except OSError as e:
+            event(logging.ERROR, "upgrade", f"upgrade: cannot start the new atedevd: {e}; the running one serves on")
+            self.notifier.ready(self._status())
+            return
+        overlap = self.cfg.kubelet_endpoints == "per-socket"
+        event(INFO, "upgrade", f"upgrade: the installed atedevd is not the one running; started it (pid {self.child.pid}) "
+              f"to hand over to, {'beside us (kubelet tracks endpoints per socket)' if overlap else 'once kubelet has let go of us'}")
+        self.predecessor = handoff.Predecessor(overlap, now)
+
+    def _on_talk(self, messages) -> None:
+        now = time.monotonic()
+        for message in messages:
+            if self.predecessor is not None:
+                if message is None:
+                    self.predecessor.exited(now, self.child.ended() or "closed its end of the channel")
+                else:
+                    self.predecessor.received(now, message)
+            elif message is None:  # the predecessor exited (or died)
+                if self.successor is not None:
+                    self.successor.predecessor_gone()
+                self.parent.close()
+                self.parent = None
+            elif self.successor is not None:
+                self.successor.received(message)
+            self._upgrade_steps(now)
+            if message is None:
+                return
+
+    def _upgrade_steps(self, now: float) -> None:
+        """What the upgrade's machines see of the node now, and what they ask for."""
+        p, s = self.predecessor, self.successor
+        if p is not None:
+            if p.phase is handoff.Phase.LETTING_GO and self.node.handed_off:
+                p.let_go(now)
+            p.on_timer(now)
+            for a in p.take():
+                self._as_predecessor(now, a)
+        if s is not None:
+            if s.phase is handoff.Phase.STARTING and self.node.held_ready:
+                s.ready()
+            elif s.phase is handoff.Phase.REGISTERING and self.node.registered:
+                s.registered()
+            for a in s.take():
+                self._as_successor(now, a)
+
+    def _as_predecessor(self, now: float, a) -> None:
+        if isinstance(a, handoff.Send):
+            self.child.send(a.message)
+        elif isinstance(a, handoff.HandOff):
+            self.node.hand_off(now)
+        elif isinstance(a, handoff.Stop):
+            self.child.kill()
+        elif isinstance(a, handoff.TakeBack):
+            self.node.take_back(now)
+            self.notifier.ready(self._status())  # the reload is over: we serve on
+        elif isinstance(a, handoff.MainPid):
+            self.notifier.hand_over(self.child.pid)
+        elif isinstance(a, handoff.Exit):
+            self._handed_over = True
+            self.metrics = metrics.TextfileWriter(None)  # the successor's now
+            self.node.begin_stop(now)  # no STOPPING=1: the unit goes on, with the new main process
+        elif isinstance(a, handoff.Say):
+            event(a.level, "upgrade", a.text)
+
+    def _as_successor(self, now: float, a) -> None:
+        if isinstance(a, handoff.Send):
+            self.parent.send(a.message)
+        elif isinstance(a, handoff.Release):
+            self.node.release(now)
+        elif isinstance(a, handoff.BecomeMain):
+            instance.adopt(self.lock_fd)
+            self.notifier.become_main()
+            self.notifier.ready(self._status())
+            self.metrics = metrics.TextfileWriter(metrics.resolve_dir(self.cfg.metrics_dir))
+            self.successor = None
+            event(INFO, "upgraded", f"took over as systemd's main process: atedevd serving {self._summary()}")
 
     # --- reporting ------------------------------------------------------------------
 

@@ -33,6 +33,12 @@ def acquire(plugin_dir: str) -> int:
         raise AlreadyRunning(
             f"another atedevd (pid {holder}) is already serving {plugin_dir} (lock {path})"
         ) from None
+    adopt(fd)
+    return fd
+
+
+def adopt(fd: int) -> None:
+    """The lock is this process's (taken, or inherited from the daemon it took over from):
+    it names our pid."""
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd

@@ -6,6 +6,7 @@ or a dependency that is missing, ends in one line naming the problem and exit st
 """
 
 import gc
+import os
 import sys
 from typing import List, Optional
 
@@ -44,7 +45,8 @@ def problem() -> Optional[str]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     if (sys.argv[1:] if argv is None else argv)[:1] == ["run"]:
-        restarts.begin()  # first: a start that fails below is a crash loop's too
+        if "ATEDEVD_HANDOFF_FD" not in os.environ:  # (a successor of an upgrade is no restart)
+            restarts.begin()  # first: a start that fails below is a crash loop's too
         # The imports of a start make ~50 passes of the cycle collector over objects that
         # live as long as the process (4 ms of 85). The daemon turns it back on once its
         # first Registers are sent, with what exists by then frozen (Daemon._start_work).

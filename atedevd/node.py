@@ -67,6 +67,8 @@ class Node:
         self.pod_resources = PodResourcesClient(host)  # every resource's questions, within one budget
         self.resources: Dict[str, Resource] = {}
         self.stopping = False
+        self.held = False  # a successor's: serve, but register only once released (atedevd/handoff.py)
+        self.inherited: FrozenSet[str] = frozenset()  # a successor's: the resources its predecessor served
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -89,8 +91,9 @@ class Node:
                 self.host.say(INFO, "resource-changed", f"{name}: configuration changed; {how}", resource=name)
         for name, device in wanted.items():
             if name not in self.resources:
-                self.resources[name] = Resource(device, dev_root, sys_root, self.host, self.pod_resources,
-                                                self.run_id, self.serve_failed)
+                r = self.resources[name] = Resource(device, dev_root, sys_root, self.host, self.pod_resources,
+                                                    self.run_id, self.serve_failed)
+                r.advertised |= name in self.inherited  # its predecessor served it (Unhealthy, maybe): so do we
 
     def accept_nodes(self) -> None:
         """A reload checked the configuration: the nodes there now are the devices'."""
@@ -148,10 +151,42 @@ class Node:
                 r.unserve(now, "the plugin directory is gone")
             elif r.advertised:
                 unserved = r.state is State.UNSERVED
-                r.serve(now, self.kubelet)
+                r.serve(now, self.kubelet, self.held)
                 began |= unserved and r.state is not State.UNSERVED
                 r.check_sockets(now)
         return began
+
+    # --- an upgrade (atedevd/handoff.py) ----------------------------------------------------------
+
+    def release(self, now: float) -> None:
+        """A successor's: register now."""
+        self.held = False
+        for r in self.resources.values():
+            r.release(now)
+
+    def hand_off(self, now: float) -> None:
+        """A predecessor's: end our streams; `handed_off` once kubelet let go of them."""
+        for r in self.resources.values():
+            r.hand_off(now)
+
+    def take_back(self, now: float) -> None:
+        """A predecessor's: the successor failed; register again."""
+        for r in self.resources.values():
+            r.take_back(now)
+
+    @property
+    def held_ready(self) -> bool:
+        return all(r.held_ready for r in self.resources.values())
+
+    @property
+    def handed_off(self) -> bool:
+        return all(r.handed_off for r in self.resources.values())
+
+    @property
+    def registered(self) -> bool:
+        """Every resource served is registered (kubelet streams our devices)."""
+        return all(r.state is State.REGISTERED or (r.state is State.UNSERVED and not r.advertised)
+                   for r in self.resources.values())
 
     def begin_stop(self, now: float) -> None:
         """End our streams; the caller runs on until kubelet has let go of them (bounded)."""

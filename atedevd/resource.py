@@ -18,6 +18,7 @@ from atedevd.performer import Performer
 from atedevd.plugin import STREAMS_PER_RESOURCE, AllocateCounts, plugin_options
 from atedevd.registration import messages as m
 from atedevd.registration.machine import Registration
+from atedevd.registration.moves import SERVED
 from atedevd.registration.messages import State, Timer
 from atedevd.registration.report import Report
 
@@ -122,8 +123,32 @@ class Resource:
 
     # --- what happened: told by the node ------------------------------------------------------
 
-    def serve(self, now: float, kubelet) -> None:
-        self._do(now, m.Serve(kubelet.serving, self._on_our_clock(now, kubelet.since) if kubelet.serving else None))
+    def serve(self, now: float, kubelet, held: bool = False) -> None:
+        self._do(now, m.Serve(kubelet.serving, self._on_our_clock(now, kubelet.since) if kubelet.serving else None, held))
+
+    # --- an upgrade (atedevd/handoff.py) ---------------------------------------------------------
+
+    def release(self, now: float) -> None:
+        self._do(now, m.Release())
+
+    def hand_off(self, now: float) -> None:
+        self._do(now, m.HandOff())
+
+    def take_back(self, now: float) -> None:
+        self._do(now, m.TakeBack())
+
+    @property
+    def held_ready(self) -> bool:
+        """A successor's: nothing left to do before it may register (bound, or not served at all)."""
+        mv = self.machine.moves
+        if mv.state is State.UNSERVED:
+            return not self.advertised
+        return mv.state is State.WAITING and (not mv.standby_possible or self.machine.book.is_bound(self.machine.book.standby))
+
+    @property
+    def handed_off(self) -> bool:
+        """A predecessor's: kubelet let go of its streams (or it has none)."""
+        return self.state not in (State.HANDING_OFF, *SERVED)
 
     def unserve(self, now: float, why: str) -> None:
         self._do(now, m.Unserve(why))

@@ -27,15 +27,29 @@ LOGGER = "atedevd"
 class Notifier:
     """sd_notify, deduplicating STATUS= and pacing WATCHDOG=1 at half the interval."""
 
-    def __init__(self) -> None:
+    def __init__(self, quiet: bool = False) -> None:
         self._enabled = bool(os.environ.get("NOTIFY_SOCKET"))
         self._sd = sdnotify.SystemdNotifier() if self._enabled else None
         self._status: Optional[str] = None
-        self.watchdog_interval = _watchdog_interval()
+        self._quiet = quiet  # not the main process (yet): systemd would not listen
+        self.watchdog_interval = None if quiet else _watchdog_interval()
 
     def send(self, message: str) -> None:
-        if self._sd is not None:
+        if self._sd is not None and not self._quiet:
             self._sd.notify(message)
+
+    def hand_over(self, pid: int) -> None:
+        """`pid` is systemd's main process from now on (our successor): its READY, STATUS and
+        watchdog are the unit's; we say nothing more."""
+        self.send(f"MAINPID={pid}")
+        self._quiet, self.watchdog_interval = True, None
+
+    def become_main(self) -> None:
+        """We are systemd's main process now (our predecessor said MAINPID=): the watchdog
+        (set up for the first main process) is ours to keep fed."""
+        self._quiet = False
+        self._status = None
+        self.watchdog_interval = _watchdog_interval(any_pid=True)
 
     def ready(self, status: str) -> None:
         self._status = status
@@ -57,11 +71,12 @@ class Notifier:
         self.send("WATCHDOG=1")
 
 
-def _watchdog_interval() -> Optional[float]:
-    """Half of systemd's WatchdogSec, or None when no watchdog is set for us."""
+def _watchdog_interval(any_pid: bool = False) -> Optional[float]:
+    """Half of systemd's WatchdogSec, or None when no watchdog is set for us (`any_pid`: for
+    the main process, whichever WATCHDOG_PID its predecessor was started with)."""
     usec = os.environ.get("WATCHDOG_USEC")
     pid = os.environ.get("WATCHDOG_PID")
-    if not usec or (pid and pid != str(os.getpid())):
+    if not usec or (pid and pid != str(os.getpid()) and not any_pid):
         return None
     try:
         return max(int(usec), 0) / 2e6 or None

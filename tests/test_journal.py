@@ -27,6 +27,7 @@ def test_a_hundred_kubelet_restarts_log_no_warning(start_daemon, kubelet):
     d = start_daemon()  # --log-level info: the default
     d.wait_ready()
     assert kubelet.wait_connected(RESOURCE), d.log()
+    assert wait_until(lambda: "registered with kubelet" in d.log(), 5), d.log()  # the daemon has seen it too
     for n in range(RESTARTS):
         mark = kubelet.mark()
         kubelet.restart()

@@ -151,7 +151,8 @@ def test_the_table_names_only_real_states_and_every_state_is_reachable_and_left(
 
 
 def test_every_event_has_a_handler_and_every_action_a_performer():
-    events = {m.Serve, m.Unserve, m.Publish, m.Reconfigure, m.Stop, m.CloseAll, m.KubeletCreated, m.KubeletGone,
+    events = {m.Serve, m.Unserve, m.Publish, m.Reconfigure, m.Stop, m.CloseAll, m.Release, m.HandOff, m.TakeBack,
+              m.KubeletCreated, m.KubeletGone,
               m.SocketDeleted, m.Nudge, m.Bound, m.Placed, m.StreamOpened, m.ListSent, m.StreamEnded,
               m.StreamRefused, m.RegisterDone, m.Listed, m.ConnectionsCounted}
     actions = {m.Bind, m.Place, m.SendRegister, m.AskPodResources, m.CountConnections, m.CancelCall, m.EndStreams,
@@ -204,3 +205,49 @@ def test_ten_thousand_refused_registers_with_as_many_messages_grow_nothing():
     assert grown < 8 * 1024, [str(s) for s in ours[:5]]
     minutes = (lines[-1][0] - lines[0][0]) / 60
     assert len(lines) <= len(d.node.resources) * (minutes + 5), (len(lines), minutes)  # a line a minute, each
+
+
+# --- an upgrade: the successor held, the predecessor handing off (atedevd/handoff.py) ---------
+
+
+def test_a_successor_binds_but_registers_only_once_released_and_asks_nothing_at_start():
+    reg = Registration(RESOURCE, 4)
+    reg.handle(0.0, m.Serve(True, -60.0, held=True))
+    acts = reg.take()
+    assert [type(a) for a in acts if not isinstance(a, m.Say)] == [m.Bind]  # no START question
+    reg.handle(0.001, m.Bound(acts[0].sid))
+    assert kinds(reg) == [] and reg.state is State.WAITING and reg.moves.held
+    reg.handle(0.002, m.Release())
+    place = first(reg.take(), m.Place)
+    reg.handle(0.002, m.Placed(place.sid))
+    assert m.SendRegister in kinds(reg) and reg.tally.begun == {Why.UPGRADE: 1}
+
+
+def test_a_predecessor_hands_off_keeps_its_standby_and_takes_the_registration_back_if_told():
+    reg = registered()
+    current, standby = reg.book.current, reg.book.standby
+    reg.handle(1.0, m.HandOff())
+    acts = reg.take()
+    assert reg.state is State.HANDING_OFF
+    assert m.EndStreams(current) in acts and m.CountConnections((current,)) in acts
+    reg.handle(1.001, m.ConnectionsCounted(0))
+    ask = first(reg.take(), m.AskPodResources)
+    reg.handle(1.002, m.Listed(ask.cid, Listing.LISTED, 0))
+    acts = reg.take()
+    assert reg.state is State.HANDED_OFF and m.CloseSocket(current) in acts
+    assert reg.book.standby == standby and m.CloseSocket(standby) not in acts  # kept for a take-back
+    reg.handle(2.0, m.KubeletCreated(2.0, ours_present=False))  # the successor's business now
+    assert reg.state is State.HANDED_OFF and kinds(reg) == []
+    reg.handle(3.0, m.TakeBack())
+    assert [type(a) for a in reg.take() if not isinstance(a, m.Say)] == [m.Place]  # the kept standby
+    assert reg.state is State.REGISTERING and reg.tally.begun.get(Why.TAKEN_BACK) == 1
+
+
+def test_a_predecessor_handed_off_stops_at_once():
+    reg = registered()
+    reg.handle(1.0, m.HandOff())
+    reg.handle(1.0, m.ConnectionsCounted(0))
+    ask = first(reg.take(), m.AskPodResources)
+    reg.handle(1.0, m.Listed(ask.cid, Listing.LISTED, 0))
+    reg.handle(2.0, m.Stop())
+    assert reg.state is State.STOPPED and reg.book.standby is None

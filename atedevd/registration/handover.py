@@ -47,6 +47,7 @@ class Phase(enum.Enum):
 class Purpose(enum.Enum):
     REGISTER = "register"  # a registration waits for it
     STOP = "stop"  # the daemon's exit waits for it
+    HAND_OFF = "hand-off"  # a successor's registration waits for it (atedevd/handoff.py)
 
 
 class Verdict(enum.Enum):
@@ -86,7 +87,7 @@ class Handover:
         """Wait for the retiring sockets. `streaming`: kubelet was streaming from the one
         that retired last; `pod_resources`: whether kubelet serves that API (None: unknown)."""
         self.purpose = purpose
-        self._begun, self._until = now, now + (STOP_LIMIT_S if purpose is Purpose.STOP else LIMIT_S)
+        self._begun, self._until = now, now + (LIMIT_S if purpose is Purpose.REGISTER else STOP_LIMIT_S)
         self._relist_until = now + RELIST_LIMIT_S
         self._fixed_until = self._resent_at = None
         self._held_said = self._no_signal = False
@@ -175,7 +176,7 @@ class Handover:
             return self.done(now)
         if listing is Listing.REFUSED:  # pod-resources is served by kubelet itself: kubelet is down
             self._end()
-            return self.done(now) if self.purpose is Purpose.STOP else self._kubelet_down()
+            return self._kubelet_down() if self.purpose is Purpose.REGISTER else self.done(now)
         self._fixed_wait(now)  # not served, or it failed
         return Verdict.WAIT
 
@@ -190,8 +191,8 @@ class Handover:
         return Verdict.LET_GO
 
     def await_call(self, now: float) -> bool:
-        """Stopping, with a Register still in flight: wait for it until the limit. False when
-        the limit has passed."""
+        """Stopping or handing off, with a Register still in flight: wait for it until the
+        limit. False when the limit has passed."""
         if now >= self._until:
             return False
         self.phase, self.deadline = Phase.AWAIT_CALL, self._until
@@ -234,7 +235,7 @@ class Handover:
         self.book.end(self.book.retiring)
 
     def _going_on(self) -> str:
-        return "exiting" if self.purpose is Purpose.STOP else "registering"
+        return {Purpose.REGISTER: "registering", Purpose.STOP: "exiting", Purpose.HAND_OFF: "handing over"}[self.purpose]
 
     def _say(self, level: int, kind: str, text: str) -> None:
         self._out.append(Say(level, kind, text))

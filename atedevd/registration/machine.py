@@ -29,7 +29,8 @@ from atedevd.registration import messages as m
 from atedevd.registration.attempts import SLOW_RETRY_S, Retry
 from atedevd.registration.handover import Purpose
 from atedevd.registration.messages import Listing, Outcome, State, Timer, Why
-from atedevd.registration.moves import IDLE, STREAMING, TRANSITIONS, VERIFY_S, InvalidTransition, Moves
+from atedevd.registration.moves import (HANDED, IDLE, LETTING, SERVED, STREAMING, TRANSITIONS, VERIFY_S,
+                                        InvalidTransition, Moves)
 from atedevd.registration.questions import Question
 
 WARNING, INFO = logging.WARNING, logging.INFO
@@ -113,7 +114,9 @@ class Registration:
         if e.kubelet_at is not None:
             self.moves.kubelet_at = e.kubelet_at
         self.moves.move(State.WAITING, now)
-        if e.kubelet_up:
+        if e.held:  # a successor: its predecessor says when (no earlier instance to wait for)
+            self.moves.held, self.moves.first_why = True, Why.UPGRADE
+        elif e.kubelet_up:
             self.questions.ask(Question.START)  # a previous instance's teardown may be pending
         if self.moves.standby_possible:
             self.book.bind(standby=True)
@@ -138,7 +141,7 @@ class Registration:
     def _reconfigure(self, now: float, e: m.Reconfigure) -> None:
         self.moves.units, self.moves.healthy_units = e.units, e.healthy_units
         self.book.close(self.book.standby)  # it serves the old table
-        if self.moves.state in IDLE:
+        if self.moves.state in IDLE or self.moves.state in HANDED:
             return
         if self.moves.state in STREAMING:
             self.tally.lost(now)
@@ -164,6 +167,35 @@ class Registration:
             return
         self.moves.hand_over(now, Purpose.STOP, streaming)
 
+    def _release(self, now: float, e: m.Release) -> None:
+        if self.moves.held:
+            self.moves.held = False
+            if self.moves.state is State.WAITING:
+                self.moves.try_start(now)
+
+    def _hand_off(self, now: float, e: m.HandOff) -> None:
+        """Like a stop, but the standby stays: if the successor fails, we register again on it."""
+        if self.moves.state not in SERVED:
+            return
+        self.questions.cancel()
+        self.book.close(self.book.placing)
+        streaming = self.book.retire_current()
+        self.moves.stop_timers()
+        self.moves.move(State.HANDING_OFF, now)
+        if not self.moves.kubelet_up or not (self.book.known_retiring() or self.attempts.call is not None):
+            self.moves.handed_off(now)
+            return
+        self.moves.hand_over(now, Purpose.HAND_OFF, streaming)
+
+    def _take_back(self, now: float, e: m.TakeBack) -> None:
+        if self.moves.state not in HANDED:
+            return
+        self.handover.cancel()
+        self.questions.cancel()
+        self.moves.move(State.WAITING, now)
+        self.tally.lost(now)
+        self.moves.attempt(now, Why.TAKEN_BACK)
+
     def _close(self, now: float, e: m.CloseAll) -> None:
         self.moves.close_all()
         self.moves.move(State.STOPPED, now)
@@ -179,6 +211,10 @@ class Registration:
         if self.moves.state in IDLE:
             return
         restarted = not e.ours_present
+        if self.moves.state in HANDED:  # the successor registers with the new kubelet
+            if restarted and self.moves.state is State.HANDING_OFF:
+                self.moves.handed_off(now)  # the kubelet that held our streams is gone
+            return
         if self.attempts.reached(e.at) and not restarted:
             return  # the Register in flight dialled this kubelet (or fails at once): its outcome decides
         # One hanging on a kubelet that is gone, or naming a socket that kubelet's wipe removed.
@@ -285,9 +321,9 @@ class Registration:
             return  # cancelled: a newer kubelet made it moot
         if e.outcome is not Outcome.REFUSED:
             self.book.reached_kubelet(call.sid)  # kubelet has (or had) a client for it
-        if self.moves.state is State.STOPPING:  # let go of this one too before exit
+        if self.moves.state in (State.STOPPING, State.HANDING_OFF):  # let go of this one too
             self.book.end([call.sid])
-            self.moves.hand_over(now, Purpose.STOP, False)
+            self.moves.hand_over(now, Purpose.STOP if self.moves.state is State.STOPPING else Purpose.HAND_OFF, False)
             return
         self.book.close_retiring()  # kubelet let go of them before we registered, or it restarted
         if e.outcome is Outcome.OK:
@@ -313,7 +349,7 @@ class Registration:
         if question is Question.START:
             self.moves.start_answer(now, e)
         elif question is Question.HANDOVER:
-            if self.moves.state in (State.LETTING_GO, State.STOPPING):
+            if self.moves.state in LETTING:
                 self.moves.after_handover(now, self.handover.on_listing(now, e.listing, e.count, self.moves.healthy_units > 0,
                                                                    self.questions.served))
         elif question is Question.CHECK and self.moves.state is State.REGISTERED \
@@ -322,7 +358,7 @@ class Registration:
             self.moves.attempt(now, Why.NOT_COUNTED)
 
     def _connections_counted(self, now: float, e: m.ConnectionsCounted) -> None:
-        if self.moves.state in (State.LETTING_GO, State.STOPPING):
+        if self.moves.state in LETTING:
             self.moves.after_handover(now, self.handover.on_connections(now, e.held, self.moves.healthy_units > 0, self.questions.served))
 
     # --- timers ------------------------------------------------------------------------------
@@ -357,7 +393,7 @@ class Registration:
             self.moves.attempt(now, Why.NOT_WATCHED)
 
     def _timer_handover(self, now: float) -> None:
-        if self.moves.state in (State.LETTING_GO, State.STOPPING):
+        if self.moves.state in LETTING:
             self.moves.after_handover(now, self.handover.on_timer(now, self.moves.healthy_units > 0, self.questions.served))
         else:
             self.handover.cancel()
@@ -390,6 +426,7 @@ _DEADLINE = {timer: deadline for timer, deadline, _ in _TIMERS}
 _HANDLERS = {
     m.Serve: Registration._serve, m.Unserve: Registration._unserve, m.Publish: Registration._publish,
     m.Reconfigure: Registration._reconfigure, m.Stop: Registration._stop, m.CloseAll: Registration._close,
+    m.Release: Registration._release, m.HandOff: Registration._hand_off, m.TakeBack: Registration._take_back,
     m.KubeletCreated: Registration._kubelet_created, m.KubeletGone: Registration._kubelet_gone,
     m.SocketDeleted: Registration._socket_deleted, m.Nudge: Registration._nudge,
     m.Bound: Registration._bound, m.Placed: Registration._placed,

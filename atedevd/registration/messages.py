@@ -20,6 +20,8 @@ class State(enum.Enum):
     REGISTERING = "registering"  # a socket being put in place, or Register in flight
     VERIFYING = "verifying"  # Register returned OK; waiting for kubelet's ListAndWatch
     REGISTERED = "registered"  # kubelet streams our devices (and counts them, where we can see)
+    HANDING_OFF = "handing-off"  # an upgrade: streams ended for the successor, waiting for kubelet to let go
+    HANDED_OFF = "handed-off"  # kubelet let go: the successor registers (we take it back if it fails)
     STOPPING = "stopping"  # SIGTERM: streams ended, waiting for kubelet to let go
     STOPPED = "stopped"
 
@@ -35,6 +37,8 @@ class Why(enum.Enum):
     CONFIG_CHANGED = "config-changed"
     NOT_WATCHED = "not-watched"
     NOT_COUNTED = "not-counted"
+    UPGRADE = "upgrade"  # a successor's first registration, after its predecessor (atedevd/handoff.py)
+    TAKEN_BACK = "taken-back"  # the successor failed: its predecessor registers again
     RETRY = "retry"  # the attempt before failed (its error is the tally's `last_error`)
 
     @property
@@ -51,6 +55,8 @@ _WHY_TEXT = {
     Why.CONFIG_CHANGED: "configuration changed",
     Why.NOT_WATCHED: "kubelet never opened ListAndWatch",
     Why.NOT_COUNTED: "kubelet does not count our devices",
+    Why.UPGRADE: "an upgrade: after the atedevd it replaces",
+    Why.TAKEN_BACK: "the new atedevd failed",
     Why.RETRY: "retry",
 }
 
@@ -91,10 +97,24 @@ class Timer(enum.Enum):
 
 class Serve(NamedTuple):
     """The device is advertised and the plugin directory exists. `kubelet_at`: when the
-    kubelet.sock there now appeared, if one is there."""
+    kubelet.sock there now appeared, if one is there. `held`: a successor's, bound but not
+    registered until `Release` (its predecessor still serves)."""
 
     kubelet_up: bool
     kubelet_at: Optional[float] = None
+    held: bool = False
+
+
+class Release(NamedTuple):
+    """A successor's: its predecessor let go (or registers beside it): register now."""
+
+
+class HandOff(NamedTuple):
+    """A predecessor's: a successor is ready; end our streams, wait until kubelet let go."""
+
+
+class TakeBack(NamedTuple):
+    """A predecessor's: the successor failed; register again."""
 
 
 class Unserve(NamedTuple):

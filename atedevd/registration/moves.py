@@ -28,6 +28,9 @@ VERIFY_S = 5.0  # Register returned OK: kubelet's ListAndWatch must open by then
 SERVED = (State.WAITING, State.LETTING_GO, State.REGISTERING, State.VERIFYING, State.REGISTERED)
 STREAMING = (State.VERIFYING, State.REGISTERED)
 IDLE = (State.UNSERVED, State.STOPPING, State.STOPPED)
+HANDED = (State.HANDING_OFF, State.HANDED_OFF)  # a predecessor's, for its successor
+# The states in which the Handover waits for kubelet to let go.
+LETTING = (State.LETTING_GO, State.STOPPING, State.HANDING_OFF)
 
 # Every move the machine makes, and on what. `Moves.move` refuses any other.
 TRANSITIONS = (
@@ -46,9 +49,12 @@ TRANSITIONS = (
     (State.REGISTERED, State.LETTING_GO, "the stream ended, the socket was deleted, the configuration changed, not counted"),
     (State.REGISTERED, State.REGISTERING, "kubelet restarted: nothing to hand over"),
     (State.REGISTERED, State.WAITING, "a young stream ended (back off), or kubelet is down"),
-    *((s, State.UNSERVED, "the plugin directory is gone, or a socket cannot be served") for s in SERVED),
-    *((s, State.STOPPING, "SIGTERM") for s in SERVED),
-    *((s, State.STOPPED, "closed") for s in (State.UNSERVED, *SERVED, State.STOPPING)),
+    *((s, State.HANDING_OFF, "an upgrade: the successor is ready, our streams end") for s in SERVED),
+    (State.HANDING_OFF, State.HANDED_OFF, "kubelet let go of our streams: the successor registers"),
+    *((s, State.WAITING, "the successor failed: we register again") for s in HANDED),
+    *((s, State.UNSERVED, "the plugin directory is gone, or a socket cannot be served") for s in (*SERVED, *HANDED)),
+    *((s, State.STOPPING, "SIGTERM, or the successor is main") for s in (*SERVED, *HANDED)),
+    *((s, State.STOPPED, "closed") for s in (State.UNSERVED, *SERVED, *HANDED, State.STOPPING)),
 )
 _ALLOWED = {(a, b) for a, b, _ in TRANSITIONS}
 
@@ -72,6 +78,8 @@ class Moves:
         self.kubelet_up = False
         self.kubelet_at: Optional[float] = None  # when the newest kubelet.sock appeared
         self.why = Why.FIRST  # why the registration under way was begun
+        self.held = False  # a successor's: serve, but register only once released
+        self.first_why = Why.FIRST  # why the first registration is made
         self.serve_at: Optional[float] = None  # serving failed: try again then
         self.actions: list = []
         cids = itertools.count(1)  # Register and pod-resources calls share one count
@@ -97,11 +105,13 @@ class Moves:
             return  # its answer decides
         if self.standby_possible and not self.book.is_bound(self.book.standby):
             return  # Bound comes back here
+        if self.held:
+            return  # Release comes back here
         if not self.kubelet_up:
             self.waiting(now, "kubelet.sock does not exist yet")
             self.attempts.later(now + SLOW_RETRY_S)
             return
-        self.register(now, Why.FIRST)
+        self.register(now, self.first_why)
 
     def start_answer(self, now: float, e: m.Listed) -> None:
         if self.state is not State.WAITING:
@@ -154,12 +164,21 @@ class Moves:
             self.book.close_retiring()
             self.waiting(now, "kubelet is not accepting connections")
             self.attempts.later(now + SLOW_RETRY_S)
-        elif self.handover.purpose is Purpose.STOP:
+        elif self.handover.purpose is not Purpose.REGISTER:
             if self.attempts.call is None or not self.handover.await_call(now):  # Register's outcome starts it again
-                self.finish_stop(now)
+                if self.handover.purpose is Purpose.STOP:
+                    self.finish_stop(now)
+                else:
+                    self.handed_off(now)
         else:
             self.book.close_retiring()
             self.register(now, self.why)
+
+    def handed_off(self, now: float) -> None:
+        """kubelet let go of our streams: our old sockets go; the standby stays, for a take-back."""
+        self.handover.cancel()
+        self.book.close_retiring()
+        self.move(State.HANDED_OFF, now)
 
     def finish_stop(self, now: float) -> None:
         self.close_all()

@@ -1,0 +1,183 @@
+"""An upgrade handed to a warm successor: the two sides of it, as decisions without I/O.
+
+When a reload finds that the atedevd installed on disk is not the one running (the
+package was upgraded), the running daemon (the predecessor) starts its successor, a
+fresh process of the new code, and keeps serving while the successor imports, binds
+its sockets and says it is ready. Then, on a kubelet that tears endpoints down by
+resource name (<= 1.36), the predecessor ends its streams and waits until kubelet has
+let go of them before it tells the successor to register (kubelet would otherwise tear
+the new endpoint down with the old one); on a kubelet that tracks endpoints per socket
+(`kubelet_endpoints = "per-socket"`), the successor registers at once, beside it. Once
+the successor is registered, the predecessor makes it systemd's main process
+(MAINPID=), tells it so, and exits. If the successor fails on the way (exits, is never
+ready, cannot register), the predecessor keeps (or takes back) the registration and
+says why: a broken upgrade never leaves the node without the resource.
+
+`Predecessor` and `Successor` are the two machines; they exchange `Message`s over a
+channel the caller provides (a socket pair in the daemon, world events in the
+simulation), and ask for what they need done as actions.
+"""
+
+import enum
+import logging
+from typing import List, NamedTuple, Optional
+
+READY_LIMIT_S = 30.0  # the successor imports, reads the configuration and binds its sockets by then
+LET_GO_LIMIT_S = 10.0  # kubelet lets go of our ended streams by then (the handover's own limit is 5 s)
+REGISTER_LIMIT_S = 30.0  # the successor is registered by then (kubelet's dial alone may take 10 s)
+
+
+class Message(enum.Enum):
+    """What the two processes tell each other."""
+
+    READY = "ready"  # successor: my sockets are bound, my configuration is read
+    GO = "go"  # predecessor: register now
+    REGISTERED = "registered"  # successor: every resource is registered (kubelet streams from me)
+    MAIN = "main"  # predecessor: you are systemd's main process now; I exit
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"  # the successor is starting (predecessor: waiting for READY)
+    LETTING_GO = "letting-go"  # predecessor: our streams ended, kubelet lets go of them
+    REGISTERING = "registering"  # the successor registers (predecessor: waiting for REGISTERED)
+    DONE = "done"  # the successor is main (predecessor: exit)
+    FAILED = "failed"  # the successor failed: the predecessor serves on
+
+
+# --- actions ----------------------------------------------------------------------------------
+
+
+class Send(NamedTuple):
+    message: Message
+
+
+class HandOff(NamedTuple):
+    """Predecessor: end our streams and wait until kubelet has let go of them (`let_go`)."""
+
+
+class TakeBack(NamedTuple):
+    """Predecessor: the successor failed; serve and register as before."""
+
+    why: str
+
+
+class Stop(NamedTuple):
+    """Predecessor: stop the successor (it failed, or took too long)."""
+
+
+class Exit(NamedTuple):
+    """Predecessor: the successor is main; stop serving (its sockets only) and exit."""
+
+
+class MainPid(NamedTuple):
+    """Predecessor: tell systemd the successor is the main process now."""
+
+
+class Release(NamedTuple):
+    """Successor: register now."""
+
+
+class BecomeMain(NamedTuple):
+    """Successor: systemd's main process from now on (READY, STATUS, the watchdog, the metrics)."""
+
+
+class Say(NamedTuple):
+    level: int
+    text: str
+
+
+class Predecessor:
+    """The running daemon's side: what it does with its successor, and when."""
+
+    def __init__(self, overlap: bool, now: float) -> None:
+        self.overlap = overlap  # kubelet tracks endpoints per socket: the successor registers beside us
+        self.phase = Phase.STARTING
+        self.deadline: Optional[float] = now + READY_LIMIT_S
+        self.actions: List[tuple] = []
+        self._handed_off = False  # our streams are ended (kubelet is letting go, or has)
+
+    def take(self) -> List[tuple]:
+        actions, self.actions = self.actions, []
+        return actions
+
+    def received(self, now: float, message: Message) -> None:
+        if self.phase is Phase.STARTING and message is Message.READY:
+            if self.overlap:  # kubelet keeps our endpoint until the new one is there: no window
+                self._go(now)
+            else:
+                self.phase, self.deadline = Phase.LETTING_GO, now + LET_GO_LIMIT_S
+                self._handed_off = True
+                self.actions.append(HandOff())
+        elif self.phase is Phase.REGISTERING and message is Message.REGISTERED:
+            self.phase, self.deadline = Phase.DONE, None
+            self.actions += [MainPid(), Send(Message.MAIN), Exit()]
+        else:
+            self._fail(f"it said {message.value!r} while {self.phase.value}")
+
+    def let_go(self, now: float) -> None:
+        """kubelet has let go of every stream we ended (or the handover's own limit passed)."""
+        if self.phase is Phase.LETTING_GO:
+            self._go(now)
+
+    def exited(self, now: float, how: str) -> None:
+        """The successor's process ended (`how`: its exit status in words), or its channel closed."""
+        if self.phase not in (Phase.DONE, Phase.FAILED):
+            self._fail(f"it {how} before it was {'ready' if self.phase is Phase.STARTING else 'registered'}")
+
+    def on_timer(self, now: float) -> None:
+        if self.deadline is None or now < self.deadline:
+            return
+        waiting = {Phase.STARTING: f"was not ready within {READY_LIMIT_S:.0f} s",
+                   Phase.LETTING_GO: f"kubelet did not let go of our streams within {LET_GO_LIMIT_S:.0f} s",
+                   Phase.REGISTERING: f"was not registered within {REGISTER_LIMIT_S:.0f} s"}[self.phase]
+        self._fail(waiting)
+
+    def _go(self, now: float) -> None:
+        self.phase, self.deadline = Phase.REGISTERING, now + REGISTER_LIMIT_S
+        self.actions.append(Send(Message.GO))
+
+    def _fail(self, why: str) -> None:
+        self.phase, self.deadline = Phase.FAILED, None
+        self.actions += [Stop(), TakeBack(why)]
+        self.actions.append(Say(logging.ERROR, f"upgrade: the new atedevd failed: {why}; the running one serves on"
+                                + (" and registers again" if self._handed_off else "")))
+
+
+class Successor:
+    """The new daemon's side: serve but hold registration until told, then take over."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.STARTING
+        self.actions: List[tuple] = []
+
+    def take(self) -> List[tuple]:
+        actions, self.actions = self.actions, []
+        return actions
+
+    def ready(self) -> None:
+        """Every resource's socket is bound, held back from registering."""
+        if self.phase is Phase.STARTING:
+            self.phase = Phase.LETTING_GO
+            self.actions.append(Send(Message.READY))
+
+    def registered(self) -> None:
+        """Every resource is registered (kubelet streams our devices)."""
+        if self.phase is Phase.REGISTERING:
+            self.phase = Phase.DONE
+            self.actions.append(Send(Message.REGISTERED))
+
+    def received(self, message: Message) -> None:
+        if message is Message.GO and self.phase is Phase.LETTING_GO:
+            self.phase = Phase.REGISTERING
+            self.actions.append(Release())
+        elif message is Message.MAIN and self.phase is Phase.DONE:
+            self.actions.append(BecomeMain())
+
+    def predecessor_gone(self) -> None:
+        """The predecessor's channel closed before it made us main: it is gone (killed, or it
+        exited); nobody else serves the resource, so register, and serve on."""
+        if self.phase in (Phase.STARTING, Phase.LETTING_GO):
+            self.phase = Phase.REGISTERING
+            self.actions.append(Release())
+        if self.phase is not Phase.FAILED:
+            self.actions.append(BecomeMain())

@@ -1,0 +1,167 @@
+"""The I/O of an upgrade handed to a successor (the decisions are atedevd/handoff.py's).
+
+Is the atedevd installed on disk the one running? The package manager replaces our files
+while we run (each by a rename: a new inode), so the files' identities taken once the
+start is done tell. The successor is a fresh exec of the command line we were started
+with (gRPC objects do not survive a fork), of our own cgroup, so that systemd can make
+it the main process. It inherits the instance lock and one end of a socket pair, the
+channel the two talk over; their numbers, and the resources we serve, are in its
+environment. Nothing here imports anything: after an upgrade, what is on disk is the
+new code, and the running daemon must not load a module of it.
+"""
+
+import os
+import signal
+import socket
+import sys
+from typing import Dict, Iterable, List, Optional, Tuple
+
+from atedevd.handoff import Message
+
+CHANNEL_FD = "ATEDEVD_HANDOFF_FD"  # the successor's end of the channel
+LOCK_FD = "ATEDEVD_LOCK_FD"  # the instance lock, held by both
+INHERITED = "ATEDEVD_INHERITED"  # the resources the predecessor serves, comma-separated
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def fingerprint(package_dir: str = PACKAGE_DIR) -> Tuple[Tuple[str, int, int, int], ...]:
+    """The identity of every file of the package: (path, inode, size, mtime)."""
+    found: List[Tuple[str, int, int, int]] = []
+    for directory, dirs, files in os.walk(package_dir):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                try:
+                    st = os.stat(path)
+                except OSError:  # gone meanwhile: a file less is a change too
+                    continue
+                found.append((os.path.relpath(path, package_dir), st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(sorted(found))
+
+
+class Child:
+    """The successor, from its predecessor's side: its process and our end of the channel."""
+
+    def __init__(self, lock_fd: int, inherited: Iterable[str]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ)
+        env.update({CHANNEL_FD: str(theirs.fileno()), LOCK_FD: str(lock_fd), INHERITED: ",".join(inherited)})
+        argv = _command_line()
+        lock_inherited = os.get_inheritable(lock_fd)
+        try:
+            for fd in (theirs.fileno(), lock_fd):
+                os.set_inheritable(fd, True)
+            self.pid = os.posix_spawn(argv[0], argv, env)
+        finally:
+            os.set_inheritable(lock_fd, lock_inherited)
+            theirs.close()
+        ours.setblocking(False)
+        self.channel = ours
+        self.status: Optional[str] = None  # how it ended, once it has
+
+    def fileno(self) -> int:
+        return self.channel.fileno()
+
+    def send(self, message: Message) -> None:
+        try:
+            self.channel.send(message.value.encode())
+        except OSError:
+            pass  # it is gone: its end of the channel says so
+
+    def receive(self) -> List[Optional[Message]]:
+        """What it said; None at the end: it closed its end (it exited, most likely)."""
+        return _receive(self.channel)
+
+    def ended(self) -> Optional[str]:
+        """How its process ended, in words, once it has (None while it runs)."""
+        if self.status is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 0
+            if pid:
+                self.status = _said(status)
+        return self.status
+
+    def terminate(self) -> None:
+        """Ask it to stop (we stop too)."""
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """Stop it now (it failed): SIGKILL, and reap it."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        self.status = self.status or "was stopped"
+        self.channel.close()
+
+
+class Parent:
+    """The predecessor, from its successor's side: our end of the channel, from the environment."""
+
+    def __init__(self, environ: Dict[str, str]) -> None:
+        self.channel = socket.socket(fileno=int(environ.pop(CHANNEL_FD)))
+        self.channel.setblocking(False)
+        self.lock_fd = int(environ.pop(LOCK_FD))
+        self.inherited = frozenset(n for n in environ.pop(INHERITED, "").split(",") if n)
+
+    @staticmethod
+    def asked(environ: Dict[str, str]) -> bool:
+        """This process was started as a successor."""
+        return CHANNEL_FD in environ
+
+    def fileno(self) -> int:
+        return self.channel.fileno()
+
+    def send(self, message: Message) -> None:
+        try:
+            self.channel.send(message.value.encode())
+        except OSError:
+            pass
+
+    def receive(self) -> List[Optional[Message]]:
+        return _receive(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _receive(channel: socket.socket) -> List[Optional[Message]]:
+    out: List[Optional[Message]] = []
+    while True:
+        try:
+            data = channel.recv(64)
+        except BlockingIOError:
+            return out
+        except OSError:
+            data = b""
+        if not data:
+            out.append(None)
+            return out
+        try:
+            out.append(Message(data.decode()))
+        except ValueError:  # not ours: a version that speaks otherwise; end of talk
+            out.append(None)
+            return out
+
+
+def _command_line() -> List[str]:
+    """How this process was started (the interpreter, the script, `run` and its options):
+    the successor is started the same way, and loads the new code from disk."""
+    with open("/proc/self/cmdline", "rb") as f:
+        argv = [os.fsdecode(a) for a in f.read().split(b"\0") if a]
+    if not os.path.isabs(argv[0]):
+        argv[0] = sys.executable
+    return argv
+
+
+def _said(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"was killed by signal {os.WTERMSIG(status)}"
+    return f"exited with status {os.WEXITSTATUS(status)}"
