@@ -200,12 +200,11 @@ class TextfileWriter:
 
 
 def write_atomically(path: str, text: str) -> None:
-    """Replace `path` with `text`: a temporary file in the same directory (a name
-    node_exporter does not read: not *.prom), mode 0644, then rename."""
-    import tempfile  # first needed after the first Registers: not on a start's path
-
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    """Replace `path` with `text`: a file of our own beside it (a name node_exporter does not
+    read: not *.prom), mode 0644, then rename. No `tempfile`: it would be imported after the
+    start, and after an upgrade what is on disk is another version's."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

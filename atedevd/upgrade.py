@@ -155,7 +155,7 @@ def _command_line() -> List[str]:
     """How this process was started (the interpreter, the script, `run` and its options):
     the successor is started the same way, and loads the new code from disk."""
     with open("/proc/self/cmdline", "rb") as f:
-        argv = [os.fsdecode(a) for a in f.read().split(b"\0") if a]
+        argv = [os.fsdecode(a) for a in f.read().split(b"\0")[:-1]]  # each ends in NUL; "" is an argument too
     if not os.path.isabs(argv[0]):
         argv[0] = sys.executable
     return argv

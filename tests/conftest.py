@@ -21,7 +21,8 @@ def pytest_configure(config):
 
 
 def pytest_generate_tests(metafunc):
-    if "kubelet_mode" in metafunc.fixturenames:
+    given = any("kubelet_mode" in m.args[0] for m in metafunc.definition.iter_markers("parametrize"))
+    if "kubelet_mode" in metafunc.fixturenames and not given:
         both = metafunc.definition.get_closest_marker("registration") is not None \
             or metafunc.module.__name__.endswith("test_registration")
         metafunc.parametrize("kubelet_mode", MODES if both else ("current",), ids=lambda m: f"kubelet-{m}")

@@ -318,6 +318,7 @@ class Kubelet:
         self.delays: Dict[str, Delay] = dict(delays or {})
         self.dial_timeout = dial_timeout
         self.listen_gap = listen_gap  # seconds (or a callable) from kubelet.sock's bind to its listen
+        self._refuse_registers = None  # refuse_registers()
         self.rate_limit = rate_limit  # pod-resources: (requests a second, burst), None: unlimited
         self.pods = [dict(p) for p in pods or ()]  # bound to the node: admitted again at each start
         self.first_admission = first_admission  # seconds from kubelet.sock appearing to that batch
@@ -552,6 +553,9 @@ class Kubelet:
             problem = _invalid(request)
             if problem:
                 raise KubeletError(problem)
+            refuse = self._refuse_registers
+            if refuse is not None and refuse(request.endpoint):  # a test's: as a dial that fails
+                raise KubeletError(f"failed to dial device plugin: {request.endpoint}: refused by the test")
             client = self._connect_client(inc, name, request.endpoint)
             call["client"] = client
             self._delay("before_return")
@@ -820,6 +824,11 @@ class Kubelet:
         with self.cond:
             e = self.inc.endpoints.get(resource)
             return None if e is None else e.stopped_at is not None
+
+    def refuse_registers(self, endpoint_refused) -> None:
+        """Fail every Register whose endpoint (a socket's file name) `endpoint_refused` says
+        yes to, as a dial that fails (None: none)."""
+        self._refuse_registers = endpoint_refused
 
     def live_streams(self, resource: str) -> List[Client]:
         """Clients of this kubelet process whose ListAndWatch for `resource` is open."""
