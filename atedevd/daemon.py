@@ -280,7 +280,7 @@ class Daemon:
 
     def _upgrading(self) -> Optional[str]:
         """Which side of an upgrade under way this daemon is on, if any."""
-        if self.predecessor is not None and self.predecessor.phase not in (handoff.Phase.FAILED,):
+        if self.predecessor is not None and not (self.predecessor.over and self.predecessor.phase is handoff.Phase.FAILED):
             return "predecessor"
         if self.successor is not None and self.parent is not None:
             return "successor"
@@ -288,7 +288,7 @@ class Daemon:
 
     def _other_side(self):
         """The other process of an upgrade under way (its channel), if any."""
-        if self.child is not None and self.predecessor is not None and self.predecessor.phase is not handoff.Phase.FAILED:
+        if self.child is not None and self.child.talking:
             return self.child
         return self.parent
 
@@ -311,8 +311,11 @@ class Daemon:
         now = time.monotonic()
         for message in messages:
             if self.predecessor is not None:
-                if message is None:
-                    self.predecessor.exited(now, self.child.ended() or "closed its end of the channel")
+                gone = self.child.ended()  # (it may have died since it spoke)
+                if message is None or gone:
+                    self.child.hang_up()
+                    self.predecessor.exited(now, gone or "closed its end of the channel")
+                    message = None
                 else:
                     self.predecessor.received(now, message)
             elif message is None:  # the predecessor exited (or died)
@@ -329,6 +332,8 @@ class Daemon:
     def _upgrade_steps(self, now: float) -> None:
         """What the upgrade's machines see of the node now, and what they ask for."""
         p, s = self.predecessor, self.successor
+        if self.child is not None:
+            self.child.ended()  # reaped as soon as it has exited
         if p is not None:
             if p.phase is handoff.Phase.LETTING_GO and self.node.handed_off:
                 p.let_go(now)
@@ -349,7 +354,10 @@ class Daemon:
         elif isinstance(a, handoff.HandOff):
             self.node.hand_off(now)
         elif isinstance(a, handoff.Stop):
-            self.child.kill()
+            if a.kill:
+                self.child.kill()
+            else:
+                self.child.terminate()  # it lets go of what it registered; its exit ends the talk
         elif isinstance(a, handoff.TakeBack):
             self.node.take_back(now)
             self.notifier.ready(self._status())  # the reload is over: we serve on

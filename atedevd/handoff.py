@@ -25,6 +25,7 @@ from typing import List, NamedTuple, Optional
 READY_LIMIT_S = 30.0  # the successor imports, reads the configuration and binds its sockets by then
 LET_GO_LIMIT_S = 10.0  # kubelet lets go of our ended streams by then (the handover's own limit is 5 s)
 REGISTER_LIMIT_S = 30.0  # the successor is registered by then (kubelet's dial alone may take 10 s)
+STOP_LIMIT_S = 20.0  # a successor told to stop has stopped by then (its own let-go wait is 5 s)
 
 
 class Message(enum.Enum):
@@ -62,7 +63,10 @@ class TakeBack(NamedTuple):
 
 
 class Stop(NamedTuple):
-    """Predecessor: stop the successor (it failed, or took too long)."""
+    """Predecessor: stop the successor (it failed, or took too long). `kill`: at once; else
+    it is asked to (SIGTERM) and lets go of what it registered, which `exited` then says."""
+
+    kill: bool = True
 
 
 class Exit(NamedTuple):
@@ -95,10 +99,17 @@ class Predecessor:
         self.deadline: Optional[float] = now + READY_LIMIT_S
         self.actions: List[tuple] = []
         self._handed_off = False  # our streams are ended (kubelet is letting go, or has)
+        self._stopping = False  # the successor was asked to stop: we take back once it is gone
+        self._why = ""
 
     def take(self) -> List[tuple]:
         actions, self.actions = self.actions, []
         return actions
+
+    @property
+    def over(self) -> bool:
+        """Nothing more to do with this successor (it is main, or it failed and is gone)."""
+        return self.phase in (Phase.DONE, Phase.FAILED) and not self._stopping
 
     def received(self, now: float, message: Message) -> None:
         if self.phase is Phase.STARTING and message is Message.READY:
@@ -112,7 +123,7 @@ class Predecessor:
             self.phase, self.deadline = Phase.DONE, None
             self.actions += [MainPid(), Send(Message.MAIN), Exit()]
         else:
-            self._fail(f"it said {message.value!r} while {self.phase.value}")
+            self._fail(now, f"it said {message.value!r} while {self.phase.value}")
 
     def let_go(self, now: float) -> None:
         """kubelet has let go of every stream we ended (or the handover's own limit passed)."""
@@ -121,26 +132,46 @@ class Predecessor:
 
     def exited(self, now: float, how: str) -> None:
         """The successor's process ended (`how`: its exit status in words), or its channel closed."""
-        if self.phase not in (Phase.DONE, Phase.FAILED):
-            self._fail(f"it {how} before it was {'ready' if self.phase is Phase.STARTING else 'registered'}")
+        if self._stopping:
+            self._take_back()
+        elif self.phase not in (Phase.DONE, Phase.FAILED):
+            self._fail(now, f"it {how} before it was {'ready' if self.phase is Phase.STARTING else 'registered'}",
+                       alive=False)
 
     def on_timer(self, now: float) -> None:
         if self.deadline is None or now < self.deadline:
             return
+        if self._stopping:  # it did not stop when asked: now it is killed
+            self.actions.append(Stop(kill=True))
+            self._take_back()
+            return
         waiting = {Phase.STARTING: f"was not ready within {READY_LIMIT_S:.0f} s",
                    Phase.LETTING_GO: f"kubelet did not let go of our streams within {LET_GO_LIMIT_S:.0f} s",
                    Phase.REGISTERING: f"was not registered within {REGISTER_LIMIT_S:.0f} s"}[self.phase]
-        self._fail(waiting)
+        self._fail(now, waiting)
 
     def _go(self, now: float) -> None:
         self.phase, self.deadline = Phase.REGISTERING, now + REGISTER_LIMIT_S
         self.actions.append(Send(Message.GO))
 
-    def _fail(self, why: str) -> None:
-        self.phase, self.deadline = Phase.FAILED, None
-        self.actions += [Stop(), TakeBack(why)]
+    def _fail(self, now: float, why: str, alive: bool = True) -> None:
         self.actions.append(Say(logging.ERROR, f"upgrade: the new atedevd failed: {why}; the running one serves on"
                                 + (" and registers again" if self._handed_off else "")))
+        self._why = why
+        if self.phase is Phase.REGISTERING and alive:
+            # Told to register, and alive: a Register of its may be inside kubelet, which a kill
+            # would leave there, unseen (kubelet <= 1.36 would tear ours down with it). Asked to
+            # stop, it waits for that Register and lets go; we take back once it is gone.
+            self.phase, self._stopping, self.deadline = Phase.FAILED, True, now + STOP_LIMIT_S
+            self.actions.append(Stop(kill=False))
+            return
+        self.phase = Phase.FAILED
+        self.actions.append(Stop())
+        self._take_back()
+
+    def _take_back(self) -> None:
+        self._stopping, self.deadline = False, None
+        self.actions.append(TakeBack(self._why))
 
 
 class Successor:

@@ -63,6 +63,14 @@ class Child:
     def fileno(self) -> int:
         return self.channel.fileno()
 
+    @property
+    def talking(self) -> bool:
+        """Our end of the channel is open (until it hung up, or was stopped)."""
+        return self.channel.fileno() >= 0
+
+    def hang_up(self) -> None:
+        self.channel.close()
+
     def send(self, message: Message) -> None:
         try:
             self.channel.send(message.value.encode())

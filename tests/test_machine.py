@@ -238,7 +238,13 @@ def test_a_predecessor_hands_off_keeps_its_standby_and_takes_the_registration_ba
     assert reg.book.standby == standby and m.CloseSocket(standby) not in acts  # kept for a take-back
     reg.handle(2.0, m.KubeletCreated(2.0, ours_present=False))  # the successor's business now
     assert reg.state is State.HANDED_OFF and kinds(reg) == []
-    reg.handle(3.0, m.TakeBack())
+    reg.handle(3.0, m.TakeBack())  # first: does kubelet still list a successor that registered?
+    ask = first(reg.take(), m.AskPodResources)
+    reg.handle(3.0, m.Listed(ask.cid, Listing.LISTED, 4))  # it does: its teardown is pending
+    assert reg.state is State.LETTING_GO and kinds(reg) == []
+    reg.handle_timer(reg.get_timer())
+    ask = first(reg.take(), m.AskPodResources)
+    reg.handle(3.1, m.Listed(ask.cid, Listing.LISTED, 0))  # kubelet let go of it
     assert [type(a) for a in reg.take() if not isinstance(a, m.Say)] == [m.Place]  # the kept standby
     assert reg.state is State.REGISTERING and reg.tally.begun.get(Why.TAKEN_BACK) == 1
 

@@ -188,13 +188,20 @@ class Registration:
         self.moves.hand_over(now, Purpose.HAND_OFF, streaming)
 
     def _take_back(self, now: float, e: m.TakeBack) -> None:
+        """As a start after an earlier instance: the successor may have registered before it
+        failed, and kubelet (<= 1.36) would tear down by name whatever we register before it
+        let go of the successor's endpoint; what kubelet lists says when."""
         if self.moves.state not in HANDED:
             return
         self.handover.cancel()
         self.questions.cancel()
+        self.book.close_retiring()  # (handing off, a Register of ours in flight: kubelet's let go shows below)
         self.moves.move(State.WAITING, now)
         self.tally.lost(now)
-        self.moves.attempt(now, Why.TAKEN_BACK)
+        self.moves.first_why = Why.TAKEN_BACK
+        if self.moves.kubelet_up:
+            self.questions.ask(Question.START)
+        self.moves.try_start(now)
 
     def _close(self, now: float, e: m.CloseAll) -> None:
         self.moves.close_all()

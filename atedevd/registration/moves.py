@@ -118,7 +118,7 @@ class Moves:
             return
         if e.listing is Listing.LISTED and e.count > 0:  # an earlier instance's teardown is pending
             self.move(State.LETTING_GO, now)
-            self.why = Why.FIRST
+            self.why = self.first_why
             self.handover.begin_earlier_instance(now, e.count)
             return
         self.try_start(now)

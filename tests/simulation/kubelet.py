@@ -81,6 +81,7 @@ class KubeletModel:
         # kubelet's limit refills for everyone else is what it leaves.
         self.agent_rps = agent_rps
         self.exhausted = 0  # our questions kubelet's limit refused
+        self.orphans_won = 0  # end states an orphaned Register took over (see problems)
         self.inc: Optional[Incarnation] = None
         self.incarnations = 0
         self.checkpoint: Dict[str, int] = {}
@@ -337,21 +338,31 @@ class KubeletModel:
         accepted = [a for a in inc.accepted if a[0] == resource]
         if not accepted:
             return out + ["no registration accepted by this kubelet"]
-        newest = accepted[-1]
+        # kubelet 1.32 keeps one client per resource: the live one must be the newest Register's.
+        # The current kubelet keeps one per socket, and when one goes another live one takes
+        # over (an upgrade's successor that failed after registering beside its predecessor):
+        # the live one is the current endpoint's.
+        e = inc.endpoints.get(resource)
+        newest = accepted[-1][3] if self.mode == "1.32" else (e.client if e is not None else None)
+        if self.mode == "1.32" and newest.path in self.w.orphaned:
+            # A Register in flight when its process was killed went on in kubelet after the next
+            # registration and took the resource's name from it: nothing the next daemon can see
+            # tells (docs/design.md, "What it cannot fix"). Counted, not failed on.
+            self.orphans_won += 1
+            return out
         if len(live) != 1:
             out.append(f"{len(live)} live streams, not 1: {live}")
-        elif live[0] is not newest[3]:
-            out.append(f"the live stream {live[0]} is not the newest registration's ({newest[1]})")
-        if socket is not None and newest[1] != socket:
-            out.append(f"kubelet's newest registration {newest[1]} is not the daemon's socket {socket}")
-        e = inc.endpoints.get(resource)
+        elif live[0] is not newest:
+            out.append(f"the live stream {live[0]} is not the current registration's ({newest})")
+        if socket is not None and (newest is None or newest.path != socket):
+            out.append(f"kubelet's current registration {newest} is not the daemon's socket {socket}")
         if e is None:
             out.append("no endpoint")
         else:
             if e.stopped_at is not None:
                 out.append(f"endpoint {e.path} is stopped")
-            if e.client is not newest[3]:
-                out.append(f"current endpoint {e.path} is not the newest registration's ({newest[1]})")
+            if e.client is not newest:
+                out.append(f"current endpoint {e.path} is not the newest registration's ({newest})")
         if inc.healthy.get(resource, 0) != expected:
             out.append(f"allocatable {inc.healthy.get(resource, 0)} != {expected}")
         if self.exhausted:
@@ -361,12 +372,25 @@ class KubeletModel:
         # daemon can see tells it apart, so a duplicate it makes is counted, not failed on.
         # Nor one that such an orphan's late teardown knocked out (it never streams: the daemon
         # registers again once its verification runs out).
-        orphaned = self.w.orphaned
+        # (kubelet with endpoints per socket keeps two of a resource apart: an upgrade's
+        # successor registers beside its predecessor there on purpose.)
         dup = [(a.path, b.path) for a, b in self.duplicates(resource)
-               if a.path not in orphaned and a.knocked_out_by not in orphaned]
+               if self.mode == "1.32" and not self._orphan_caused(a)]
         if dup:
             out.append(f"duplicate Registers in one kubelet process: {dup}")
         return out
+
+    def _orphan_caused(self, c: Client) -> bool:
+        """`c` is an orphan, or was knocked out by one, or by one that was (a teardown by name
+        of a client an orphan's teardown knocked out lands on the next: the same cause)."""
+        by_path = {x.path: x for x in self.inc.all_clients}
+        seen = set()
+        while c is not None and c.path not in seen:
+            if c.path in self.w.orphaned:
+                return True
+            seen.add(c.path)
+            c = by_path.get(c.knocked_out_by) if c.knocked_out_by else None
+        return False
 
     def duplicates(self, resource: str) -> List[tuple]:
         """Accepted Registers of one process, the second arriving before the first's client was torn down."""

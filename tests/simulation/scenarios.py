@@ -118,6 +118,32 @@ def unit_unplugged_and_back(w: World) -> None:
                              for _ in before if accepted() != before[0]])
 
 
+def upgrade_handover(w: World) -> None:
+    """An upgrade handed to a warm successor: it registers once kubelet let go of us (kubelet
+    1.32), or beside us (the current kubelet, told kubelet_endpoints = "per-socket")."""
+    first = w.daemon
+    w.after(w.rng.uniform(0, 2.0), lambda: w.daemon.upgrade(overlap=w.kubelet.mode == "current"))
+    w.checks.append(lambda: [] if w.daemon is not first and not first.alive else
+                    [f"the upgrade did not take place: daemon#{w.daemon.n} is main, daemon#{first.n} "
+                     f"{'is alive' if first.alive else 'exited'}"])
+
+
+def upgrade_successor_killed(w: World) -> None:
+    """The successor of an upgrade is killed at a random moment: before it is ready, while
+    it registers, or once main (then systemd starts atedevd again)."""
+    first = w.daemon
+    w.after(w.rng.uniform(0, 2.0), lambda: w.daemon.upgrade(overlap=w.kubelet.mode == "current"))
+
+    def kill():
+        d = first.child
+        if d is None or not d.alive:
+            return
+        d.die()
+        if w.daemon is d:  # it was main already: systemd restarts the unit
+            w.after(w.delay(), w.start_daemon, d.count)
+    w.after(w.rng.uniform(0, 3.0), kill)
+
+
 def kubelet_restart_during_daemon_restart(w: World) -> None:
     w.after(w.rng.uniform(0, 1.0), w.restart_daemon, w.rng.choice(("sigterm", "kill")))
     _kubelet_restart(w, 0.2)
@@ -136,6 +162,8 @@ SCENARIOS: Dict[str, Callable[[World], None]] = {
     "inotify-queue-overflow": queue_overflow,
     "kubelet-and-daemon-restart": kubelet_restart_during_daemon_restart,
     "unit-unplugged-and-back": unit_unplugged_and_back,
+    "upgrade-handover": upgrade_handover,
+    "upgrade-successor-killed": upgrade_successor_killed,
 }
 
 

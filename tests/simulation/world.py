@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 
 import inotify.constants as ic
 
+from atedevd import handoff
 from atedevd.config import Device
 from atedevd.node import Node
 from atedevd.registration.messages import State
@@ -77,7 +78,8 @@ class World:
         self.dev_root = dev_root()  # every unit plugged in
         self.checks: list = []  # a scenario's own end-state checks: each returns problems
         self.orphaned: set = set()  # sockets named in a Register that was in flight when its daemon was killed
-        self.daemon: Optional["Daemon"] = None
+        self.daemon: Optional["Daemon"] = None  # systemd's main process
+        self.processes: List["Daemon"] = []  # every atedevd process alive (two during an upgrade)
         self.daemons = 0
         self.said: List[tuple] = []  # (time, level, kind, text) of every daemon that ran
         self.events = 0
@@ -107,11 +109,14 @@ class World:
 
     # --- atedevd's process ---------------------------------------------------------
 
-    def start_daemon(self, count: Optional[int] = None) -> "Daemon":
+    def start_daemon(self, count: Optional[int] = None, parent: Optional["Daemon"] = None) -> "Daemon":
+        """A new atedevd process: systemd's (a start), or `parent`'s successor (an upgrade)."""
         self.daemons += 1
-        self.daemon = Daemon(self, self.daemons, count or self.count)
-        self.daemon.start()
-        return self.daemon
+        d = Daemon(self, self.daemons, count or self.count, parent)
+        if parent is None:
+            self.daemon = d
+        d.start()
+        return d
 
     def restart_daemon(self, how: str) -> None:
         """SIGTERM (waits for the daemon to exit) or kill -9, then a new process."""
@@ -162,8 +167,7 @@ class Directory:
     def _deliver(self) -> None:
         batch, self._pending, self._delivery_at = self._pending, [], None
         self.w.note("inotify", "batch " + ", ".join(f"{e.name or 'overflow'}:{e.mask:#x}" for e in batch))
-        d = self.w.daemon
-        if d is not None and d.alive:
+        for d in list(self.w.processes):  # each process has its own inotify watch
             d.fs_events(batch)
 
     # kubelet's side
@@ -219,15 +223,23 @@ class Directory:
 class Daemon:
     """One atedevd process: atedevd's Node on the simulated host."""
 
-    def __init__(self, world: World, n: int, count: int):
+    def __init__(self, world: World, n: int, count: int, parent: Optional["Daemon"] = None):
         self.w = world
         self.n = n
         self.count = count
         self.alive = True
+        world.processes.append(self)
         self.host = SimHost(world, self)
         self.node = Node(PLUGIN_DIR, world.dev_root, "/sys", self.host, f"d{n}", lambda path, error: False)
         self.on_exit = None
         self._wake_at: Optional[float] = None
+        # An upgrade (atedevd/handoff.py), its two sides as the daemon drives them.
+        self.parent, self.child = parent, None
+        self.successor = handoff.Successor() if parent is not None else None
+        self.predecessor: Optional[handoff.Predecessor] = None
+        if parent is not None:
+            self.node.held = True
+            self.node.inherited = frozenset(r.name for r in parent.node.resources.values() if r.advertised)
 
     @property
     def resource(self):
@@ -264,9 +276,82 @@ class Daemon:
         self.node.reconcile(self.w.now)
         self.woke()
 
+    def upgrade(self, overlap: bool) -> None:
+        """A reload that finds the installed atedevd is another: start it, hand over to it."""
+        if not self.alive or self.node.stopping or self.predecessor is not None or self.successor is not None:
+            return
+        self.predecessor = handoff.Predecessor(overlap, self.w.now)
+        self.w.after(self.w.delay(), self._spawn)
+
+    def _spawn(self) -> None:
+        if self.alive and self.predecessor is not None and self.predecessor.phase is handoff.Phase.STARTING:
+            self.child = self.w.start_daemon(self.count, parent=self)
+
+    def tell(self, message: Optional[handoff.Message]) -> None:
+        """The other process said `message` (None: its end of the channel closed): a while later."""
+        self.w.after(self.w.delay() * 0.01, self._heard, message)
+
+    def _heard(self, message: Optional[handoff.Message]) -> None:
+        if not self.alive:
+            return
+        now = self.w.now
+        if self.predecessor is not None:
+            if message is None or (self.child is not None and not self.child.alive):  # it may have died since
+                self.predecessor.exited(now, "was killed")
+            else:
+                self.predecessor.received(now, message)
+        elif self.successor is not None:
+            if message is None:
+                self.successor.predecessor_gone()
+            else:
+                self.successor.received(message)
+        self.woke()
+
+    def _upgrade_steps(self) -> None:
+        """Daemon._upgrade_steps, with the simulation's process and channel."""
+        now, p, s = self.w.now, self.predecessor, self.successor
+        if p is not None:
+            if p.phase is handoff.Phase.LETTING_GO and self.node.handed_off:
+                p.let_go(now)
+            p.on_timer(now)
+            for a in p.take():
+                if isinstance(a, handoff.Send) and self.child is not None:
+                    self.child.tell(a.message)
+                elif isinstance(a, handoff.HandOff):
+                    self.node.hand_off(now)
+                elif isinstance(a, handoff.Stop) and self.child is not None:
+                    if a.kill:
+                        self.child.die()
+                    else:
+                        self.child.sigterm()  # it lets go of what it registered; its exit ends the talk
+                elif isinstance(a, handoff.TakeBack):
+                    self.predecessor = None  # an upgrade of our own, no longer under way
+                    self.node.take_back(now)
+                elif isinstance(a, handoff.MainPid):
+                    self.w.daemon = self.child
+                elif isinstance(a, handoff.Exit):
+                    self.node.begin_stop(now)
+        if s is not None:
+            if s.phase is handoff.Phase.STARTING and self.node.held_ready:
+                s.ready()
+            elif s.phase is handoff.Phase.REGISTERING and self.node.registered:
+                s.registered()
+            for a in s.take():
+                if isinstance(a, handoff.Send) and self.parent is not None and self.parent.alive:
+                    self.parent.tell(a.message)
+                elif isinstance(a, handoff.Release):
+                    self.node.release(now)
+                elif isinstance(a, handoff.BecomeMain):
+                    self.successor = None
+
     def die(self) -> None:
         """kill -9: connections drop, socket files stay behind."""
         self.alive = False
+        if self in self.w.processes:
+            self.w.processes.remove(self)
+        for other in (self.parent, self.child):
+            if other is not None and other.alive:
+                other.tell(None)  # its end of the channel closes
         # A registration in progress goes on in kubelet. Unless kubelet already listed its
         # devices, its teardown will not show in pod-resources: no later process can see it.
         for r in self.node.resources.values():
@@ -288,13 +373,20 @@ class Daemon:
         if not self.alive:
             return
         self.node.wake(self.w.now)
+        self._upgrade_steps()
         if self.node.stopped:
             self.node.close(self.w.now)
             self.alive = False
+            self.w.processes.remove(self)
+            for other in (self.parent, self.child):
+                if other is not None and other.alive:
+                    other.tell(None)
             if self.on_exit:
                 self.on_exit()
             return
         at = self.node.deadline()
+        if self.predecessor is not None and self.predecessor.deadline is not None:
+            at = self.predecessor.deadline if at is None else min(at, self.predecessor.deadline)
         if at is not None and (self._wake_at is None or at < self._wake_at):
             self._wake_at = at
             self.w.after(max(0.0, at - self.w.now), self._tick)
