@@ -140,22 +140,52 @@ def test_deb_dependencies_resolve_on_this_debian(deb):
     assert re.search(rf"^Inst atedevd \({re.escape(VERSION)}-1 ", r.stdout, re.M), r.stdout
 
 
-def test_deb_maintainer_scripts_enable_start_restart_and_stop_the_unit(deb):
+def test_deb_maintainer_scripts_enable_start_reload_and_stop_the_unit(deb):
     path, _ = deb
     script = {s: run("dpkg-deb", "-I", str(path), s).stdout for s in ("postinst", "prerm", "postrm")}
     assert "deb-systemd-helper enable 'atedevd.service'" in script["postinst"]
-    assert "_dh_action=restart" in script["postinst"] and "_dh_action=start" in script["postinst"]
+    assert "deb-systemd-invoke start 'atedevd.service'" in script["postinst"]  # a first install
+    assert "_dh_action=restart" not in script["postinst"]  # an upgrade is a reload (below), not debhelper's restart
     assert "deb-systemd-invoke stop 'atedevd.service'" in script["prerm"]
-    # An upgrade restarts the unit once, in the new postinst, after the unpack (debhelper's
-    # restart-after-upgrade): prerm stops it only on removal, and no preinst stops it. A stop
-    # before the unpack (dh_installsystemd --no-restart-after-upgrade: in preinst `upgrade`,
-    # with a plain start in postinst) leaves the node without the resource through the unpack
-    # and postinst too: 0.64-0.82 s of kubelet rejecting pods instead of 0.18-0.27 s (docs/design.md).
+    # An upgrade reloads the unit in the new postinst, after the unpack: the running daemon
+    # hands over to the new code without a window. Nothing stops it before the unpack (a stop
+    # there left the node without the resource through the unpack: 0.64-0.82 s, docs/design.md),
+    # prerm stops it only on removal.
     assert re.search(r'^if .*\[ "\$1" = remove \] .*\n\tdeb-systemd-invoke stop', script["prerm"], re.M), script["prerm"]
     preinst = run("dpkg-deb", "-I", str(path), "preinst", check=False).stdout
     assert "deb-systemd-invoke stop" not in preinst, preinst
     assert "deb-systemd-helper purge 'atedevd.service'" in script["postrm"]
     assert "rmdir \"$standby\"" in script["postrm"]  # a killed daemon's standby directory goes too
+
+
+@pytest.mark.parametrize("unit_changed, expected", [(False, "reload"), (True, "restart")])
+def test_deb_upgrade_reloads_a_running_daemon_and_restarts_it_only_for_a_changed_unit(deb, tmp_path, unit_changed,
+                                                                                  expected):
+    """The postinst, run as dpkg runs it on an upgrade, with systemctl and deb-systemd-invoke
+    stubbed: the running unit is reloaded (the handover to the new code), or restarted when its
+    unit file changed (a new sandbox applies only to a process systemd starts)."""
+    path, _ = deb
+    root = tmp_path / "root"
+    root.mkdir()
+    run("dpkg-deb", "-e", str(path), str(root / "DEBIAN"))
+    unit = tmp_path / "lib" / "atedevd.service"
+    unit.parent.mkdir()
+    unit.write_text("[Service]\nExecStart=/usr/bin/atedevd run\n")
+    before = tmp_path / "run" / "atedevd-upgrade.service"
+    before.parent.mkdir()
+    before.write_text(unit.read_text() + ("# changed\n" if unit_changed else ""))
+    stub, log = tmp_path / "bin", tmp_path / "calls"
+    stub.mkdir()
+    for name in ("systemctl", "deb-systemd-invoke", "deb-systemd-helper", "py3compile", "pybuild-autopkgtest"):
+        (stub / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\n')
+        (stub / name).chmod(0o755)
+    script = (root / "DEBIAN" / "postinst").read_text()
+    script = script.replace("/lib/systemd/system/atedevd.service", str(unit)).replace(
+        "/run/atedevd-upgrade.service", str(before)).replace("[ -d /run/systemd/system ]", "true")
+    run("/bin/sh", "-ec", script, "postinst", "configure", f"{VERSION}-1", env=dict(ENV, PATH=f"{stub}:/usr/bin:/bin"))
+    calls = [c for c in log.read_text().splitlines() if c.startswith("deb-systemd-invoke")]
+    assert calls == ["deb-systemd-invoke start atedevd.service", f"deb-systemd-invoke {expected} atedevd.service"], calls
+    assert not before.exists()
 
 
 def test_deb_entry_point_runs_on_debian_python_with_the_shipped_config(deb):
@@ -278,7 +308,7 @@ def scriptlets(path):
     ("postinstall", "2", []),  # upgrade: leave the admin's choice alone
     ("preuninstall", "0", ["--no-reload disable --now atedevd.service"]),  # removal: stop and disable
     ("preuninstall", "1", []),  # upgrade: keep running
-    ("postuninstall", "1", ["daemon-reload", "try-restart atedevd.service"]),  # upgrade: restart
+    ("postuninstall", "1", ["daemon-reload"]),  # upgrade: the reload is %posttrans's
     ("postuninstall", "0", ["daemon-reload"]),
 ])
 def test_rpm_systemd_scriptlets_do_the_usual_thing(rpm, tmp_path, scriptlet, arg, expected):
@@ -293,10 +323,37 @@ def test_rpm_systemd_scriptlets_do_the_usual_thing(rpm, tmp_path, scriptlet, arg
     assert calls == expected
 
 
+@pytest.mark.parametrize("unit_changed, expected", [(False, "reload"), (True, "try-restart")])
+def test_rpm_upgrade_reloads_a_running_daemon_and_restarts_it_only_for_a_changed_unit(rpm, tmp_path, unit_changed,
+                                                                                   expected):
+    """%pre keeps the unit file as it was; %posttrans reloads the running unit (the handover to
+    the new code), or restarts it when the unit file changed."""
+    scripts = scriptlets(rpm)
+    unit = tmp_path / "atedevd.service"
+    unit.write_text("[Service]\nExecStart=/usr/bin/atedevd run\n")
+    before = tmp_path / "atedevd-upgrade.service"
+    stub, log = tmp_path / "bin", tmp_path / "calls"
+    stub.mkdir()
+    (stub / "systemctl").write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    (stub / "systemctl").chmod(0o755)
+    env = dict(ENV, PATH=f"{stub}:/usr/bin:/bin")
+
+    def local(script):
+        return script.replace("/usr/lib/systemd/system/atedevd.service", str(unit)).replace(
+            "/run/atedevd-upgrade.service", str(before))
+    run("/bin/sh", "-ec", local(scripts["preinstall"]), "scriptlet", "2", env=env)
+    assert before.read_text() == unit.read_text()
+    if unit_changed:
+        unit.write_text(unit.read_text() + "# changed\n")
+    run("/bin/sh", "-ec", local(scripts["posttrans"]), "scriptlet", env=env)
+    assert log.read_text().splitlines() == ["is-active --quiet atedevd.service", f"{expected} atedevd.service"]
+    assert not before.exists()
+
+
 def test_rpm_spec_uses_fedora_macros_when_they_exist():
     fedora = ["--define", "atedevd_version 9.9.9", "--define", "fedora 41",
               "--define", "systemd_post() SD_POST %1", "--define", "systemd_preun() SD_PREUN %1",
-              "--define", "systemd_postun_with_restart() SD_POSTUN %1", "--define", "systemd_requires Requires(post): SD_REQUIRES",
+              "--define", "systemd_postun() SD_POSTUN %1", "--define", "systemd_requires Requires(post): SD_REQUIRES",
               "--define", "_unitdir /usr/lib/systemd/system"]
     spec = run("rpmspec", "-P", *fedora, str(ROOT / "rpm/atedevd.spec")).stdout
     for marker in ("SD_POST atedevd.service", "SD_PREUN atedevd.service", "SD_POSTUN atedevd.service", "SD_REQUIRES",
