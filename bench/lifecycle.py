@@ -20,9 +20,9 @@ to pod-resources. The events:
                       the new number
   reload-permissions  SIGHUP with the resource's permissions changed ("rw" <-> "rwm"); done
                       when an Allocate through kubelet answers the new ones
-  reload-upgrade      the package upgraded, then a reload hands over to a warm successor:
-                      needs the daemon's handover (issue 21); until then the row says so
-                      (Lifecycle.upgrade_reload is the hook)
+  reload-upgrade      the package upgraded (a file of the daemon's copy of it replaced by a
+                      rename, as dpkg does), then SIGHUP: the daemon hands over to a warm
+                      successor (atedevd/handoff.py); done when the successor is registered
   socket-deleted      our current socket unlinked by someone else
   stream-ended        kubelet ends our ListAndWatch stream
 
@@ -35,16 +35,17 @@ second beside atedevd. The rows say how many of atedevd's calls were refused.
 
 import os
 import random
+import shutil
 import signal
 import time
 from typing import Dict, List, Optional, Tuple
 
 import grpc
 
-from atedevd.registration import STABLE_AFTER_S
+from atedevd.registration.machine import STABLE_AFTER_S
 from bench.rig import BusyCore, Rig, percentile
 from tests import node_agent
-from tests.harness import RESOURCE, current_socket
+from tests.harness import REPO, RESOURCE, current_socket
 from tests.kubelet_standin import MODES, POD_PERIOD_S, KubeletError
 
 Row = Tuple[str, str, str, str, str]
@@ -72,10 +73,14 @@ def stats(values: List[float]) -> str:
     return f"{ms(percentile(values, 50))}/{ms(percentile(values, 99))}/{ms(max(values))} ms"
 
 
-def write_config(path: str, count: int, permissions: str = "rw") -> None:
+def write_config(path: str, count: int, permissions: str = "rw", mode: str = "1.32") -> None:
+    """The resource, and what the node's kubelet is: the current kubelet keeps endpoints per
+    socket, so an upgrade's successor registers beside its predecessor there."""
     tmp = path + ".tmp"
+    endpoints = "per-socket" if mode == "current" else "per-resource"
     with open(tmp, "w") as f:
-        f.write(f'[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {count}\npermissions = "{permissions}"\n')
+        f.write(f'[daemon]\nkubelet_endpoints = "{endpoints}"\n'
+                f'[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {count}\npermissions = "{permissions}"\n')
     os.replace(tmp, path)
 
 
@@ -97,7 +102,7 @@ class Lifecycle:
         self.config = os.path.join(self.rig.root, "atedevd.toml")
         self.count = UNITS
         self.permissions = PERMISSIONS[0]
-        write_config(self.config, self.count, self.permissions)
+        write_config(self.config, self.count, self.permissions, mode)
         self.k.units = self.count
         self.log = self.k.record_admission(RESOURCE)
         if self.agent is not None and not self.k.wait(
@@ -107,8 +112,14 @@ class Lifecycle:
         self.k.assert_healthy(RESOURCE, self.count, new_registrations=1, timeout=30)
 
     def start_daemon(self):
-        d = self.rig.start(config=self.config)
-        return d
+        """The daemon from a copy of the package, which an upgrade round replaces under it."""
+        site = os.path.join(self.rig.root, "site")
+        if not os.path.isdir(site):
+            shutil.copytree(os.path.join(REPO, "atedevd"), os.path.join(site, "atedevd"),
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        launcher = ("-c", f"import sys; sys.path.insert(0, {site!r})\n"
+                          "from atedevd.launch import main; sys.exit(main(sys.argv[1:]))")
+        return self.rig.start(config=self.config, launcher=launcher)
 
     def close(self) -> None:
         if self.agent is not None:
@@ -121,7 +132,7 @@ class Lifecycle:
         d = self.rig.daemon
         after = len(d.notify.messages)
         self.count, self.permissions = count, permissions
-        write_config(self.config, count, permissions)
+        write_config(self.config, count, permissions, self.mode)
         self.k.units = count
         d.send(signal.SIGHUP)
         if d.notify.wait_for("READY", "1", timeout=30, after=after) is None:
@@ -142,12 +153,33 @@ class Lifecycle:
         return False
 
     def upgrade_reload(self) -> None:
-        """TODO(issue 21, the daemon's part): the package upgraded under the running daemon
-        (a newer tree on disk), then `systemctl reload`, which hands the resources over to a
-        warm successor process (MAINPID=) instead of a stop and a cold start. Put here what
-        tells the daemon to do it, and return once it was told; the round then waits for the
-        end state with one new registration."""
-        raise NotYet("needs the daemon's handover to a warm successor (issue 21): hook Lifecycle.upgrade_reload")
+        """The package upgraded under the running daemon, then `systemctl reload`: it hands the
+        resources over to a warm successor process (MAINPID=), which the round then finds
+        registered; the old one exits."""
+        d = self.rig.daemon
+        build = os.path.join(self.rig.root, "site", "atedevd", "_build.py")
+        with open(build) as f:
+            text = f.read()
+        with open(build + ".dpkg-new", "w") as f:
+            f.write(text + "# upgraded\n")
+        os.rename(build + ".dpkg-new", build)
+        after = len(d.notify.messages)
+        d.send(signal.SIGHUP)
+        main = d.notify.wait_for("MAINPID", timeout=30, after=after)
+        if main is None or d.wait(30) != 0:
+            raise RuntimeError(f"no handover to a successor; log:\n{d.log()[-3000:]}")
+        self.successor = int(main["fields"]["MAINPID"])
+
+    def after_upgrade(self) -> None:
+        """The successor is not a child of ours: stop it, and start a daemon for the next round."""
+        os.kill(self.successor, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{self.successor}") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.rig.daemon.close()
+        mark = self.k.mark()
+        self.start_daemon()
+        self.k.assert_healthy(RESOURCE, self.count, since=mark, new_registrations=1, timeout=30)
 
     # --- one round -------------------------------------------------------------------------
 
@@ -158,6 +190,8 @@ class Lifecycle:
         with k.cond:
             k.arrivals.clear()
             k.healthy_at.clear()
+        if event == "reload-upgrade":  # the daemon's start noted its files (its deferred work): give it the time
+            time.sleep(max(0.0, self.rig.daemon.started_at + 1.0 - time.monotonic()))
         mark = k.mark()
         new = 1
         started = None  # a new daemon process's start
@@ -222,6 +256,8 @@ class Lifecycle:
             accepted = ks.accepted[0] - k.listening_at if ks is not None and getattr(ks, "accepted", None) else None
             spoke = ks.first_bytes[0] - k.listening_at if ks is not None and getattr(ks, "first_bytes", None) else None
             launch = next((a - started for a in k.arrivals if started is not None and a >= started), None)
+        if event == "reload-upgrade":
+            self.after_upgrade()
         return {"rejected": rejected if admitted else None, "spells": spells, "reasons": reasons, "by_reason": by_reason,
                 "failure": failure, "arrive": arrive, "healthy": healthy, "listen": listen, "launch": launch,
                 "accepted": accepted, "spoke": spoke, "pods": pods, "put_in": put_in, "registers": registers,

@@ -94,10 +94,11 @@ class Rig:
         """The daemon's current socket (a new file per registration)."""
         return current_socket(self.plugin_dir, kubelet=self.kubelet)
 
-    def start(self, env=None, log_level: str = "info", config: Optional[str] = None) -> Daemon:
+    def start(self, env=None, log_level: str = "info", config: Optional[str] = None, launcher=None) -> Daemon:
         env = {**unit_environment(), **(env or {})}  # measured as the unit runs it
+        more = {"launcher": launcher} if launcher is not None else {}
         self.daemon = Daemon(os.path.join(self.root, "run"), self.plugin_dir, self.dev_root, config=config, env=env,
-                             log_level=log_level)
+                             log_level=log_level, **more)
         return self.daemon
 
     def start_registered(self, env=None) -> Daemon:
