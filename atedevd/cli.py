@@ -113,19 +113,21 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(args, cfg: config.Config) -> int:
-    setup_logging(cfg.log_level)
-    from atedevd.daemon import Daemon  # imports grpc: only when serving
-
     parent = None
     try:
         if upgrade.Parent.asked(os.environ):  # started by the daemon we take over from: its lock is ours too
             parent = upgrade.Parent(os.environ)
+            parent.detach()  # before gRPC's threads: systemd's child from here on
             lock_fd = parent.lock_fd
         else:
             lock_fd = instance.acquire(cfg.device_plugin_dir)
     except (instance.AlreadyRunning, OSError, ValueError) as e:
+        setup_logging(cfg.log_level)
         logging.getLogger("atedevd").error("not starting: %s", e)
         return EX_RUNTIME
+    setup_logging(cfg.log_level)
+    from atedevd.daemon import Daemon  # imports grpc: only when serving
+
     overrides = {k: v for k, v in (("device_plugin_dir", args.device_plugin_dir), ("dev_root", args.dev_root),
                                    ("sys_root", args.sys_root), ("log_level", args.log_level),
                                    ("metrics_dir", args.metrics_dir)) if v is not None}

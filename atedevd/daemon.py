@@ -303,7 +303,7 @@ class Daemon:
             self.notifier.ready(self._status())
             return
         overlap = self.cfg.kubelet_endpoints == "per-socket"
-        event(INFO, "upgrade", f"upgrade: the installed atedevd is not the one running; started it (pid {self.child.pid}) "
+        event(INFO, "upgrade", f"upgrade: the installed atedevd is not the one running; started it "
               f"to hand over to, {'beside us (kubelet tracks endpoints per socket)' if overlap else 'once kubelet has let go of us'}")
         self.predecessor = handoff.Predecessor(overlap, now)
 

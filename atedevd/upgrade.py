@@ -3,10 +3,13 @@
 Is the atedevd installed on disk the one running? The package manager replaces our files
 while we run (each by a rename: a new inode), so the files' identities taken once the
 start is done tell. The successor is a fresh exec of the command line we were started
-with (gRPC objects do not survive a fork), of our own cgroup, so that systemd can make
+with (gRPC objects do not survive a fork), in our own cgroup, so that systemd can make
 it the main process. It inherits the instance lock and one end of a socket pair, the
 channel the two talk over; their numbers, and the resources we serve, are in its
-environment. Nothing here imports anything: after an upgrade, what is on disk is the
+environment. Its first act is a fork, the parent half exiting at once, the other telling
+us its pid: the successor is then systemd's child, not ours, as a main process
+must be for systemd to see it exit and to stop it (one that is not its child systemd
+supervises with a warning, and in a container kills at once on stop). Nothing here imports anything: after an upgrade, what is on disk is the
 new code, and the running daemon must not load a module of it.
 """
 
@@ -40,8 +43,16 @@ def fingerprint(package_dir: str = PACKAGE_DIR) -> Tuple[Tuple[str, int, int, in
     return tuple(sorted(found))
 
 
+_PID = "pid "  # the successor's first message on the channel: "pid <its pid>"
+
+
 class Child:
-    """The successor, from its predecessor's side: its process and our end of the channel."""
+    """The successor, from its predecessor's side: its process and our end of the channel.
+
+    `spawned` is the process we start; it forks the successor and exits 0 (`detach`), and
+    the successor tells us its pid (`pid`, None until then). Until then the spawned process
+    is the one to stop, and an exit of it other than 0 is the successor's: it failed before
+    it forked."""
 
     def __init__(self, lock_fd: int, inherited: Iterable[str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -52,12 +63,13 @@ class Child:
         try:
             for fd in (theirs.fileno(), lock_fd):
                 os.set_inheritable(fd, True)
-            self.pid = os.posix_spawn(argv[0], argv, env)
+            self.spawned: Optional[int] = os.posix_spawn(argv[0], argv, env)
         finally:
             os.set_inheritable(lock_fd, lock_inherited)
             theirs.close()
         ours.setblocking(False)
         self.channel = ours
+        self.pid: Optional[int] = None  # the successor's, once it said
         self.status: Optional[str] = None  # how it ended, once it has
 
     def fileno(self) -> int:
@@ -78,36 +90,51 @@ class Child:
             pass  # it is gone: its end of the channel says so
 
     def receive(self) -> List[Optional[Message]]:
-        """What it said; None at the end: it closed its end (it exited, most likely)."""
-        return _receive(self.channel)
+        """What it said; None at the end: it closed its end (it exited: nothing else closes it)."""
+        said = _receive(self.channel, self._told_pid)
+        if said and said[-1] is None and self.pid is not None:
+            self.status = self.status or "exited"  # not our child: its status is systemd's to see
+        return said
+
+    def _told_pid(self, pid: int) -> None:
+        self.pid = pid
 
     def ended(self) -> Optional[str]:
-        """How its process ended, in words, once it has (None while it runs)."""
-        if self.status is None:
+        """How it ended, in words, once we know (None while it runs); reaps the spawned process."""
+        if self.spawned is not None:
             try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                pid, status = os.waitpid(self.spawned, os.WNOHANG)
             except ChildProcessError:
-                pid, status = self.pid, 0
+                pid, status = self.spawned, 0
             if pid:
-                self.status = _said(status)
+                self.spawned = None
+                if self.pid is None and self.status is None and status != 0:  # it never forked the successor
+                    self.status = _said(status)
         return self.status
 
     def terminate(self) -> None:
         """Ask it to stop (we stop too)."""
-        try:
-            os.kill(self.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        self._signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        """Stop it now (it failed): SIGKILL, and reap it."""
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        """Stop it now (it failed): SIGKILL, and reap what is ours to reap."""
+        self._signal(signal.SIGKILL)
+        if self.spawned is not None:
+            try:
+                os.waitpid(self.spawned, 0)
+            except ChildProcessError:
+                pass
+            self.spawned = None
         self.status = self.status or "was stopped"
         self.channel.close()
+
+    def _signal(self, signo: int) -> None:
+        for pid in (self.pid, self.spawned):  # the spawned one, while it is there, has not forked yet, or is about to exit
+            if pid is not None:
+                try:
+                    os.kill(pid, signo)
+                except ProcessLookupError:
+                    pass
 
 
 class Parent:
@@ -115,9 +142,19 @@ class Parent:
 
     def __init__(self, environ: Dict[str, str]) -> None:
         self.channel = socket.socket(fileno=int(environ.pop(CHANNEL_FD)))
-        self.channel.setblocking(False)
         self.lock_fd = int(environ.pop(LOCK_FD))
         self.inherited = frozenset(n for n in environ.pop(INHERITED, "").split(",") if n)
+        for fd in (self.channel.fileno(), self.lock_fd):  # a successor of ours gets its own
+            os.set_inheritable(fd, False)
+
+    def detach(self) -> None:
+        """Leave the process the predecessor started: fork, tell it the new pid, and let the
+        parent half exit, so that the successor is systemd's child (the init process's, or
+        the nearest subreaper's). Called first thing, while this process has one thread."""
+        if os.fork():
+            os._exit(0)
+        self.channel.send(f"{_PID}{os.getpid()}".encode())  # before anything else we say
+        self.channel.setblocking(False)
 
     @staticmethod
     def asked(environ: Dict[str, str]) -> bool:
@@ -140,7 +177,7 @@ class Parent:
         self.channel.close()
 
 
-def _receive(channel: socket.socket) -> List[Optional[Message]]:
+def _receive(channel: socket.socket, told_pid=None) -> List[Optional[Message]]:
     out: List[Optional[Message]] = []
     while True:
         try:
@@ -152,6 +189,9 @@ def _receive(channel: socket.socket) -> List[Optional[Message]]:
         if not data:
             out.append(None)
             return out
+        if told_pid is not None and data.startswith(_PID.encode()) and data[len(_PID):].isdigit():
+            told_pid(int(data[len(_PID):]))
+            continue
         try:
             out.append(Message(data.decode()))
         except ValueError:  # not ours: a version that speaks otherwise; end of talk

@@ -303,7 +303,7 @@ def gone(node_or_root, paths):
 
 # --- .rpm (distribution dependencies): into a Debian 13 image, boot, erase ----------------------
 
-RPM_REQUIRES = ["/bin/sh", "/bin/sh", "/bin/sh", "/usr/bin/python3", "config(atedevd) = {v}-1",
+RPM_REQUIRES = ["/bin/sh"] * 5 + ["/usr/bin/python3", "config(atedevd) = {v}-1",
                 "python(abi) >= 3.9", "python3dist(grpcio) >= 1.51", "python3dist(protobuf) >= 4.21",
                 "python3dist(systemd-python) >= 234", "rpmlib(CompressedFileNames) <= 3.0.4-1",
                 "rpmlib(FileDigests) <= 4.6.0-1", "rpmlib(PayloadFilesHavePrefix) <= 4.0-1",
