@@ -87,6 +87,7 @@ class Daemon:
         event(INFO, "started", f"atedevd serving {self._summary()} in {self.cfg.device_plugin_dir}")
         self._start_work_due = time.monotonic() + START_WORK_LATEST_S
         try:
+            self._upgrade_steps(time.monotonic())  # a successor's sockets are bound: ready, before the loop's first wait
             self._loop()
         finally:
             self._shutdown()
@@ -366,7 +367,7 @@ class Daemon:
         elif isinstance(a, handoff.Exit):
             self._handed_over = True
             self.metrics = metrics.TextfileWriter(None)  # the successor's now
-            self.node.begin_stop(now)  # no STOPPING=1: the unit goes on, with the new main process
+            self.node.begin_stop(now, handed_over=True)  # no STOPPING=1: the unit goes on, with the new main process
         elif isinstance(a, handoff.Say):
             event(a.level, "upgrade", a.text)
 

@@ -188,11 +188,12 @@ class Node:
         return all(r.state is State.REGISTERED or (r.state is State.UNSERVED and not r.advertised)
                    for r in self.resources.values())
 
-    def begin_stop(self, now: float) -> None:
-        """End our streams; the caller runs on until kubelet has let go of them (bounded)."""
+    def begin_stop(self, now: float, handed_over: bool = False) -> None:
+        """End our streams; the caller runs on until kubelet has let go of them (bounded).
+        `handed_over`: our successor is registered (an upgrade): no let-go to wait for."""
         self.stopping = True
         for r in self.resources.values():
-            r.begin_stop(now)
+            r.begin_stop(now, handed_over)
 
     def close(self, now: float) -> None:
         for r in self.resources.values():

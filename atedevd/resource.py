@@ -169,8 +169,8 @@ class Resource:
     def nudge(self, now: float) -> None:
         self._do(now, m.Nudge())
 
-    def begin_stop(self, now: float) -> None:
-        self._do(now, m.Stop())
+    def begin_stop(self, now: float, handed_over: bool = False) -> None:
+        self._do(now, m.Stop(handed_over))
 
     def close(self, now: float) -> None:
         self._do(now, m.CloseAll())

@@ -257,3 +257,19 @@ def test_a_predecessor_handed_off_stops_at_once():
     reg.handle(1.0, m.Listed(ask.cid, Listing.LISTED, 0))
     reg.handle(2.0, m.Stop())
     assert reg.state is State.STOPPED and reg.book.standby is None
+
+
+def test_a_predecessor_still_streaming_exits_after_the_handover_without_a_let_go_wait():
+    """kubelet tracks endpoints per socket: the successor registered beside us, and what
+    kubelet lists is its; a let-go wait would only poll pod-resources for its limit."""
+    reg = registered()
+    current = reg.book.current
+    reg.handle(2.0, m.Stop(handed_over=True))
+    acts = reg.take()
+    assert reg.state is State.STOPPED and m.EndStreams(current) in acts
+    assert not [a for a in acts if isinstance(a, (m.AskPodResources, m.CountConnections))]
+    assert reg.get_timer() is None
+    plain = registered()
+    streaming = plain.book.current
+    plain.handle(2.0, m.Stop())  # a plain stop waits for kubelet to let go
+    assert plain.state is State.STOPPING and m.CountConnections((streaming,)) in plain.take()

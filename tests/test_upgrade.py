@@ -91,6 +91,13 @@ def test_an_upgrade_is_handed_to_the_new_atedevd(start_daemon, kubelet, installe
     assert f"handed over to the new atedevd (pid {successor})" in log
     assert "took over as systemd's main process" in log and LINE not in log
     assert not [line for line in log.splitlines() if " WARNING " in line or " ERROR " in line], log
+    # The successor is ready as soon as its sockets are bound (not at its start's deferred
+    # work, 0.5 s later), and neither side polls pod-resources through the handover (the old
+    # one's exit waits for no listing: what kubelet lists is the new one's).
+    new = log[log.index("upgrade: the installed atedevd"):]
+    assert new.index("registering (an upgrade") < new.index("start-up done"), new
+    calls = sum(c["answered"] + c["refused"] for c in kubelet.pod_resources_calls(since=t0).values())
+    assert calls <= 4, (calls, log)
     seconds, spells, _ = admission.rejected(t0, t1)
     if endpoints == "per-socket":
         assert seconds == 0, f"rejected pods for {seconds * 1000:.1f} ms in {spells} spell(s)"

@@ -162,7 +162,8 @@ class Registration:
         self.moves.stop_timers()
         self.moves.serve_at = self.book.deadline = self.tally.deadline = None
         self.moves.move(State.STOPPING, now)
-        if not self.moves.kubelet_up or not (self.book.known_retiring() or self.attempts.call is not None):
+        waits_for = self.attempts.call is not None or (self.book.known_retiring() and not e.handed_over)
+        if not self.moves.kubelet_up or not waits_for:
             self.moves.finish_stop(now)
             return
         self.moves.hand_over(now, Purpose.STOP, streaming)

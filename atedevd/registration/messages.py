@@ -139,7 +139,12 @@ class Reconfigure(NamedTuple):
 
 
 class Stop(NamedTuple):
-    """SIGTERM: end our streams and wait until kubelet has let go of them (bounded)."""
+    """SIGTERM: end our streams and wait until kubelet has let go of them (bounded).
+    `handed_over`: the exit after an upgrade, our successor registered: what kubelet lists
+    is its, and nothing of ours can undo its registration (kubelet had let go of us, or
+    tracks endpoints per socket), so only a Register in flight is waited for."""
+
+    handed_over: bool = False
 
 
 class CloseAll(NamedTuple):

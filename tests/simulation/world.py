@@ -330,7 +330,7 @@ class Daemon:
                 elif isinstance(a, handoff.MainPid):
                     self.w.daemon = self.child
                 elif isinstance(a, handoff.Exit):
-                    self.node.begin_stop(now)
+                    self.node.begin_stop(now, handed_over=True)
         if s is not None:
             if s.phase is handoff.Phase.STARTING and self.node.held_ready:
                 s.ready()
