@@ -87,6 +87,8 @@ class Daemon:
         event(INFO, "started", f"atedevd serving {self._summary()} in {self.cfg.device_plugin_dir}")
         self._start_work_due = time.monotonic() + START_WORK_LATEST_S
         try:
+            if self.successor is not None and self.node.kubelet.serving:
+                warm_up(self.cfg.device_plugin_dir)  # held: the Register on GO need not pay for grpc's first channel
             self._upgrade_steps(time.monotonic())  # a successor's sockets are bound: ready, before the loop's first wait
             self._loop()
         finally:

@@ -256,9 +256,19 @@ class Lifecycle:
             accepted = ks.accepted[0] - k.listening_at if ks is not None and getattr(ks, "accepted", None) else None
             spoke = ks.first_bytes[0] - k.listening_at if ks is not None and getattr(ks, "first_bytes", None) else None
             launch = next((a - started for a in k.arrivals if started is not None and a >= started), None)
+        steps = {}
         if event == "reload-upgrade":
             self.after_upgrade()
-        return {"rejected": rejected if admitted else None, "spells": spells, "reasons": reasons, "by_reason": by_reason,
+            # Where a handover's window goes: our streams' end -> the new one's Register (ours:
+            # the let-go wait, GO, its Register), then the Register -> admitted (the stand-in's
+            # dial-back and stream, which a Go kubelet does faster).
+            marks = list(self.log.transitions)
+            reject = next((at for at, state, _ in marks if at >= t0 and state != "admit"), None)
+            arrival = next((a for a in k.arrivals if a >= t0), None)
+            admit = next((at for at, state, _ in marks if arrival is not None and at >= arrival and state == "admit"), None)
+            if reject is not None and arrival is not None and admit is not None and reject <= arrival:
+                steps = {"reject_to_arrive": arrival - reject, "arrive_to_admit": admit - arrival}
+        return {**steps, "rejected": rejected if admitted else None, "spells": spells, "reasons": reasons, "by_reason": by_reason,
                 "failure": failure, "arrive": arrive, "healthy": healthy, "listen": listen, "launch": launch,
                 "accepted": accepted, "spoke": spoke, "pods": pods, "put_in": put_in, "registers": registers,
                 "pr_answered": ours["answered"], "pr_refused": ours["refused"], "pr_peak": peak_per_second(our_times),
@@ -395,6 +405,11 @@ def event_rows(event: str, mode: str, results: List[dict], rounds: int) -> List[
     if launches:
         out.append(("lifecycle", "  new process start -> Register arrives", stats(launches), "p50 <= 80 ms",
                     verdict(percentile(launches, 50) <= 0.080)))
+    for key, what in (("reject_to_arrive", "our streams end (kubelet rejects) -> the new one's Register arrives"),
+                      ("arrive_to_admit", "the new one's Register arrives -> kubelet admits (the stand-in's part)")):
+        got = [r[key] for r in results if r.get(key) is not None]
+        if got:
+            out.append(("lifecycle", f"  {what}", stats(got), "", ""))
     if not event.startswith("kubelet-") and any(r["arrive"] is not None for r in results):
         out.append(("lifecycle", "  event -> Register arrives", stats([r["arrive"] for r in results if r["arrive"] is not None]), "", ""))
     if event.startswith("kubelet-"):

@@ -17,6 +17,7 @@ with dpkg's --status-logger stamping dpkg's progress. Every time here is CLOCK_M
 one clock for the host, the container's systemd and the stand-in.
 """
 
+import json
 import re
 import subprocess
 import threading
@@ -41,6 +42,7 @@ from tests.metrics_scrape import parse, value
 
 REPO = Path(__file__).resolve().parent.parent
 DEBS = "/var/cache/atedevd-test-debs"  # inside the container
+CONFIG = "/etc/atedevd/config.toml"  # the package's conffile
 METRICS_DIR = "/var/lib/prometheus/node-exporter"  # where the daemon writes atedevd.prom when it exists
 METRICS = METRICS_DIR + "/atedevd.prom"
 STATUS_LOG = "/run/atedevd-upgrade-status.log"
@@ -123,6 +125,35 @@ def _unit_times(node: Container) -> dict:
     return {k: int(v) / 1e6 for k, v in node.show("atedevd", *props).items()}
 
 
+# atedevd's and systemd's journal lines that mark a handover's steps: (start of the message, label)
+JOURNAL_STEPS = (("Reloading atedevd", "systemd: reload begins (the postinst's systemctl reload)"),
+                 ("upgrade: the installed atedevd", "atedevd: the old one finds the upgrade, starts the new one"),
+                 ("took over as systemd's main process", "atedevd: the new one is main (MAINPID=)"),
+                 ("handed over to the new atedevd", "atedevd: the old one exits"),
+                 ("Reloaded atedevd", "systemd: reload done (the new one's READY=1)"),
+                 ("Stopping atedevd", "systemd: stop of the old process begins (SIGTERM sent)"))
+
+
+def _journal_steps(node: Container, cursor: str) -> List[Tuple[float, str]]:
+    """The handover's (or a restart's) steps from the journal, on the monotonic clock: the
+    container's clock is the host's."""
+    out = node.run("journalctl", "--no-pager", "-u", "atedevd", f"--after-cursor={cursor}", "-o", "json",
+                   "--output-fields=MESSAGE,__MONOTONIC_TIMESTAMP", check=False).stdout
+    steps = []
+    for line in out.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        message = entry.get("MESSAGE")
+        if not isinstance(message, str):
+            continue
+        for start, label in JOURNAL_STEPS:
+            if message.startswith(start) and all(label != seen for _, seen in steps):
+                steps.append((int(entry["__MONOTONIC_TIMESTAMP"]) / 1e6, label))
+    return steps
+
+
 def _dpkg_lines(node: Container) -> List[Tuple[float, str]]:
     """dpkg's status lines about atedevd, stamped; one per distinct line (the first)."""
     out = node.run("cat", STATUS_LOG, check=False).stdout
@@ -187,9 +218,9 @@ def upgrade(node: Container, deb: Path, units: int = UNITS, timeout: float = 60.
 
     timeline = [(0.0, "apt-get install starts"), (returned - t0, "apt-get install returns")]
     timeline += [(at - t0, text) for at, text in _dpkg_lines(node) if at >= t0]
+    timeline += [(at - t0, what) for at, what in _journal_steps(node, cursor) if at >= t0]
     unit = _unit_times(node)
-    for key, what in (("ActiveExitTimestampMonotonic", "systemd: stop of the old process begins (SIGTERM sent)"),
-                      ("InactiveEnterTimestampMonotonic", "systemd: old process gone, unit inactive"),
+    for key, what in (("InactiveEnterTimestampMonotonic", "systemd: old process gone, unit inactive"),
                       ("ExecMainStartTimestampMonotonic", "systemd: new main process forked"),
                       ("ActiveEnterTimestampMonotonic", "systemd: new process READY=1")):
         if unit.get(key, 0) >= t0:

@@ -47,11 +47,10 @@ from tests.container import (
     wait_registered,
     wait_until,
 )
-from tests.package_upgrade import DEBS, METRICS_DIR, VERSION, apt_install, build_deb, deb_version, make, \
+from tests.package_upgrade import CONFIG, DEBS, METRICS_DIR, VERSION, apt_install, build_deb, deb_version, make, \
     print_timeline, start_kubelet, upgrade
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = "/etc/atedevd/config.toml"
 WANTS = "/etc/systemd/system/multi-user.target.wants/atedevd.service"
 
 

@@ -106,12 +106,14 @@ def test_handover_counts_connections_then_confirms_in_pod_resources():
     assert h.begin(0.0, Purpose.REGISTER, streaming=True, healthy=True, pod_resources=True) is Verdict.WAIT
     assert h.phase is Phase.CONNECTIONS and of(out, m.EndStreams) == [m.EndStreams(sid)]
     assert of(out, m.CountConnections) == [m.CountConnections((sid,))]
-    assert h.on_connections(0.001, 1, True, True) is Verdict.WAIT and h.deadline == 0.001 + handover.POLL_S
-    assert h.on_timer(0.006, True, True) is Verdict.WAIT and len(of(out, m.CountConnections)) == 2
-    assert h.on_connections(0.006, 0, True, True) is Verdict.ASK and h.phase is Phase.CONFIRM
-    assert h.on_listing(0.007, Listing.LISTED, 4, True, True) is Verdict.WAIT  # still listed: look again
-    assert h.on_timer(0.012, True, True) is Verdict.ASK
-    assert h.on_listing(0.013, Listing.LISTED, 0, True, True) is Verdict.LET_GO
+    assert h.on_connections(0.001, 1, True, True) is Verdict.WAIT and h.deadline == 0.001 + handover.FAST_POLL_S
+    assert h.on_timer(0.002, True, True) is Verdict.WAIT and len(of(out, m.CountConnections)) == 2
+    assert h.on_connections(0.1, 1, True, True) is Verdict.WAIT and h.deadline == 0.1 + handover.POLL_S  # backed off
+    assert h.on_timer(0.105, True, True) is Verdict.WAIT and len(of(out, m.CountConnections)) == 3
+    assert h.on_connections(0.106, 0, True, True) is Verdict.ASK and h.phase is Phase.CONFIRM
+    assert h.on_listing(0.107, Listing.LISTED, 4, True, True) is Verdict.WAIT  # still listed: look again
+    assert h.on_timer(0.112, True, True) is Verdict.ASK
+    assert h.on_listing(0.113, Listing.LISTED, 0, True, True) is Verdict.LET_GO
     assert h.phase is Phase.IDLE and h.deadline is None
     said = of(out, m.Say)
     assert [s.level for s in said] == [logging.DEBUG, logging.DEBUG] and "(confirm)" in said[-1].text

@@ -28,6 +28,7 @@ from atedevd.registration.socket_book import SocketBook
 LIMIT_S = 10.0  # kubelet's own dial timeout; past it we register anyway
 STOP_LIMIT_S = 5.0  # on SIGTERM, wait this long at most (TimeoutStopSec=20s)
 POLL_S = 0.005  # how often pod-resources or our descriptors are looked at while waiting
+FAST_POLL_S = 0.001  # ... our descriptors, at first: a Go kubelet lets go within a millisecond
 FIXED_WAIT_S = 0.5  # without pod-resources: how long kubelet is given to let go
 RELIST_LIMIT_S = 2.0  # a fresh device list should make kubelet list us again within this
 RESEND_EVERY_S = 0.5  # ... sent again this often while it does not
@@ -132,7 +133,9 @@ class Handover:
                 self._held_said = True
                 self._say(logging.DEBUG, "let-go", f"{self.name}: kubelet holds {held} connection(s) to our old socket; waiting for it to let go")
             if now < self._until:
-                self.deadline = now + POLL_S
+                # Counting our own descriptors costs ~0.1 ms: every millisecond at first, then
+                # backing off to POLL_S (a kubelet slow to let go is not watched at 1 kHz for 10 s).
+                self.deadline = now + min(POLL_S, max(FAST_POLL_S, (now - self._begun) / 4))
                 return Verdict.WAIT
             self._say(logging.WARNING, "let-go-timeout", f"{self.name}: kubelet still holds {held} connection(s) to our old socket after {now - self._begun:.0f} s; {self._going_on()} anyway")
             return self.done(now)
