@@ -337,47 +337,34 @@ class Daemon:
         p, s = self.predecessor, self.successor
         if self.child is not None:
             self.child.ended()  # reaped as soon as it has exited
-        if p is not None:
-            if p.phase is handoff.Phase.LETTING_GO and self.node.handed_off:
-                p.let_go(now)
-            p.on_timer(now)
-            for a in p.take():
-                self._as_predecessor(now, a)
-        if s is not None:
-            if s.phase is handoff.Phase.STARTING and self.node.held_ready:
-                s.ready()
-            elif s.phase is handoff.Phase.REGISTERING and self.node.registered:
-                s.registered()
-            for a in s.take():
-                self._as_successor(now, a)
+        handoff.observe(now, self.node, p, s)
+        for machine, perform in ((p, self._as_predecessor), (s, self._as_successor)):
+            for a in machine.take() if machine is not None else ():
+                handoff.to_node(now, self.node, a)
+                perform(a)
 
-    def _as_predecessor(self, now: float, a) -> None:
+    def _as_predecessor(self, a) -> None:
+        """The process's part of the predecessor's action (`handoff.to_node` did the node's)."""
         if isinstance(a, handoff.Send):
             self.child.send(a.message)
-        elif isinstance(a, handoff.HandOff):
-            self.node.hand_off(now)
         elif isinstance(a, handoff.Stop):
             if a.kill:
                 self.child.kill()
             else:
                 self.child.terminate()  # it lets go of what it registered; its exit ends the talk
         elif isinstance(a, handoff.TakeBack):
-            self.node.take_back(now)
             self.notifier.ready(self._status())  # the reload is over: we serve on
         elif isinstance(a, handoff.MainPid):
             self.notifier.hand_over(self.child.pid)
         elif isinstance(a, handoff.Exit):
-            self._handed_over = True
+            self._handed_over = True  # no STOPPING=1: the unit goes on, with the new main process
             self.metrics = metrics.TextfileWriter(None)  # the successor's now
-            self.node.begin_stop(now, handed_over=True)  # no STOPPING=1: the unit goes on, with the new main process
         elif isinstance(a, handoff.Say):
             event(a.level, "upgrade", a.text)
 
-    def _as_successor(self, now: float, a) -> None:
+    def _as_successor(self, a) -> None:
         if isinstance(a, handoff.Send):
             self.parent.send(a.message)
-        elif isinstance(a, handoff.Release):
-            self.node.release(now)
         elif isinstance(a, handoff.BecomeMain):
             instance.adopt(self.lock_fd)
             self.notifier.become_main()

@@ -212,3 +212,33 @@ class Successor:
             self.actions.append(Release())
         if self.phase is not Phase.FAILED:
             self.actions.append(BecomeMain())
+
+
+# --- the node's side: the daemon and the simulation share it --------------------------------
+
+
+def observe(now: float, node, predecessor: Optional[Predecessor], successor: Optional[Successor]) -> None:
+    """What the machines see of the node now (`atedevd.node.Node`: `handed_off`, `held_ready`,
+    `registered`); their actions are then taken, and each goes to `to_node` and to the
+    process's own performer (the channel, systemd: the daemon's, or the simulation's)."""
+    if predecessor is not None:
+        if predecessor.phase is Phase.LETTING_GO and node.handed_off:
+            predecessor.let_go(now)
+        predecessor.on_timer(now)
+    if successor is not None:
+        if successor.phase is Phase.STARTING and node.held_ready:
+            successor.ready()
+        elif successor.phase is Phase.REGISTERING and node.registered:
+            successor.registered()
+
+
+def to_node(now: float, node, action: tuple) -> None:
+    """The node's part of an action, if it has one."""
+    if isinstance(action, HandOff):
+        node.hand_off(now)
+    elif isinstance(action, TakeBack):
+        node.take_back(now)
+    elif isinstance(action, Release):
+        node.release(now)
+    elif isinstance(action, Exit):
+        node.begin_stop(now, handed_over=True)  # our successor is registered: no let-go to wait for

@@ -310,39 +310,26 @@ class Daemon:
     def _upgrade_steps(self) -> None:
         """Daemon._upgrade_steps, with the simulation's process and channel."""
         now, p, s = self.w.now, self.predecessor, self.successor
-        if p is not None:
-            if p.phase is handoff.Phase.LETTING_GO and self.node.handed_off:
-                p.let_go(now)
-            p.on_timer(now)
-            for a in p.take():
-                if isinstance(a, handoff.Send) and self.child is not None:
-                    self.child.tell(a.message)
-                elif isinstance(a, handoff.HandOff):
-                    self.node.hand_off(now)
-                elif isinstance(a, handoff.Stop) and self.child is not None:
-                    if a.kill:
-                        self.child.die()
-                    else:
-                        self.child.sigterm()  # it lets go of what it registered; its exit ends the talk
-                elif isinstance(a, handoff.TakeBack):
-                    self.predecessor = None  # an upgrade of our own, no longer under way
-                    self.node.take_back(now)
-                elif isinstance(a, handoff.MainPid):
-                    self.w.daemon = self.child
-                elif isinstance(a, handoff.Exit):
-                    self.node.begin_stop(now, handed_over=True)
-        if s is not None:
-            if s.phase is handoff.Phase.STARTING and self.node.held_ready:
-                s.ready()
-            elif s.phase is handoff.Phase.REGISTERING and self.node.registered:
-                s.registered()
-            for a in s.take():
-                if isinstance(a, handoff.Send) and self.parent is not None and self.parent.alive:
-                    self.parent.tell(a.message)
-                elif isinstance(a, handoff.Release):
-                    self.node.release(now)
-                elif isinstance(a, handoff.BecomeMain):
-                    self.successor = None
+        handoff.observe(now, self.node, p, s)
+        for a in p.take() if p is not None else ():
+            handoff.to_node(now, self.node, a)
+            if isinstance(a, handoff.Send) and self.child is not None:
+                self.child.tell(a.message)
+            elif isinstance(a, handoff.Stop) and self.child is not None:
+                if a.kill:
+                    self.child.die()
+                else:
+                    self.child.sigterm()  # it lets go of what it registered; its exit ends the talk
+            elif isinstance(a, handoff.TakeBack):
+                self.predecessor = None  # an upgrade of our own, no longer under way
+            elif isinstance(a, handoff.MainPid):
+                self.w.daemon = self.child
+        for a in s.take() if s is not None else ():
+            handoff.to_node(now, self.node, a)
+            if isinstance(a, handoff.Send) and self.parent is not None and self.parent.alive:
+                self.parent.tell(a.message)
+            elif isinstance(a, handoff.BecomeMain):
+                self.successor = None
 
     def die(self) -> None:
         """kill -9: connections drop, socket files stay behind."""
