@@ -82,6 +82,8 @@ def test_an_upgrade_is_handed_to_the_new_atedevd(start_daemon, kubelet, installe
     main = d.notify.wait_for("MAINPID", timeout=15, after=n)
     assert main, d.log()
     successor = int(main["fields"]["MAINPID"])
+    with open(f"/proc/{successor}/stat") as f:  # not our child: a main process must be systemd's to watch
+        assert int(f.read().rsplit(")", 1)[1].split()[1]) != d.pid
     assert d.wait(15) == 0, d.log()  # the old one exits, cleanly
     assert d.notify.wait_for("READY", "1", timeout=5, after=n), d.log()  # from the new main process
     kubelet.assert_healthy(RESOURCE, 1024, since=mark, new_registrations=1)
