@@ -26,6 +26,7 @@ READY_LIMIT_S = 30.0  # the successor imports, reads the configuration and binds
 LET_GO_LIMIT_S = 10.0  # kubelet lets go of our ended streams by then (the handover's own limit is 5 s)
 REGISTER_LIMIT_S = 30.0  # the successor is registered by then (kubelet's dial alone may take 10 s)
 STOP_LIMIT_S = 20.0  # a successor told to stop has stopped by then (its own let-go wait is 5 s)
+ORPHAN_LIMIT_S = 10.0  # kubelet's dial timeout: a Register of a successor that died is over by then
 
 
 class Message(enum.Enum):
@@ -69,6 +70,12 @@ class Stop(NamedTuple):
     kill: bool = True
 
 
+class RegisterAgain(NamedTuple):
+    """Predecessor: a while after taking back from a successor that died registering, register
+    once more (its Register may have reached kubelet <= 1.36 after ours, and torn ours down
+    by name: nothing we can see tells)."""
+
+
 class Exit(NamedTuple):
     """Predecessor: the successor is main; stop serving (its sockets only) and exit."""
 
@@ -100,6 +107,7 @@ class Predecessor:
         self.actions: List[tuple] = []
         self._handed_off = False  # our streams are ended (kubelet is letting go, or has)
         self._stopping = False  # the successor was asked to stop: we take back once it is gone
+        self._again_at: Optional[float] = None  # register once more then (it died registering)
         self._why = ""
 
     def take(self) -> List[tuple]:
@@ -109,9 +117,11 @@ class Predecessor:
     @property
     def over(self) -> bool:
         """Nothing more to do with this successor (it is main, or it failed and is gone)."""
-        return self.phase in (Phase.DONE, Phase.FAILED) and not self._stopping
+        return self.phase in (Phase.DONE, Phase.FAILED) and not self._stopping and self._again_at is None
 
     def received(self, now: float, message: Message) -> None:
+        if self.phase is Phase.FAILED:
+            return  # a successor we gave up on, stopping: its exit is what counts
         if self.phase is Phase.STARTING and message is Message.READY:
             if self.overlap:  # kubelet keeps our endpoint until the new one is there: no window
                 self._go(now)
@@ -141,9 +151,16 @@ class Predecessor:
     def on_timer(self, now: float) -> None:
         if self.deadline is None or now < self.deadline:
             return
+        if self._again_at is not None:
+            self._again_at = self.deadline = None
+            self.actions += [Say(logging.INFO, "upgrade: registering once more: a Register of the new atedevd that "
+                                 "failed may have reached kubelet after ours"), RegisterAgain()]
+            return
         if self._stopping:  # it did not stop when asked: now it is killed
             self.actions.append(Stop(kill=True))
             self._take_back()
+            if not self.overlap:  # (with a Register of its in kubelet, perhaps)
+                self._again_at = self.deadline = now + ORPHAN_LIMIT_S
             return
         waiting = {Phase.STARTING: f"was not ready within {READY_LIMIT_S:.0f} s",
                    Phase.LETTING_GO: f"kubelet did not let go of our streams within {LET_GO_LIMIT_S:.0f} s",
@@ -165,9 +182,12 @@ class Predecessor:
             self.phase, self._stopping, self.deadline = Phase.FAILED, True, now + STOP_LIMIT_S
             self.actions.append(Stop(kill=False))
             return
+        registering = self.phase is Phase.REGISTERING
         self.phase = Phase.FAILED
         self.actions.append(Stop())
         self._take_back()
+        if registering and not self.overlap:  # dead, told to register: a Register of its may be in kubelet
+            self._again_at = self.deadline = now + ORPHAN_LIMIT_S
 
     def _take_back(self) -> None:
         self._stopping, self.deadline = False, None
@@ -238,6 +258,8 @@ def to_node(now: float, node, action: tuple) -> None:
         node.hand_off(now)
     elif isinstance(action, TakeBack):
         node.take_back(now)
+    elif isinstance(action, RegisterAgain):
+        node.register_again(now)
     elif isinstance(action, Release):
         node.release(now)
     elif isinstance(action, Exit):

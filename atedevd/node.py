@@ -174,6 +174,11 @@ class Node:
         for r in self.resources.values():
             r.take_back(now)
 
+    def register_again(self, now: float) -> None:
+        """A predecessor's, after a take-back from a successor that died registering."""
+        for r in self.resources.values():
+            r.register_again(now)
+
     @property
     def held_ready(self) -> bool:
         return all(r.held_ready for r in self.resources.values())

@@ -137,6 +137,9 @@ class Resource:
     def take_back(self, now: float) -> None:
         self._do(now, m.TakeBack())
 
+    def register_again(self, now: float) -> None:
+        self._do(now, m.RegisterAgain())
+
     @property
     def held_ready(self) -> bool:
         """A successor's: nothing left to do before it may register (bound, or not served at all)."""

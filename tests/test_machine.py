@@ -152,7 +152,7 @@ def test_the_table_names_only_real_states_and_every_state_is_reachable_and_left(
 
 def test_every_event_has_a_handler_and_every_action_a_performer():
     events = {m.Serve, m.Unserve, m.Publish, m.Reconfigure, m.Stop, m.CloseAll, m.Release, m.HandOff, m.TakeBack,
-              m.KubeletCreated, m.KubeletGone,
+              m.RegisterAgain, m.KubeletCreated, m.KubeletGone,
               m.SocketDeleted, m.Nudge, m.Bound, m.Placed, m.StreamOpened, m.ListSent, m.StreamEnded,
               m.StreamRefused, m.RegisterDone, m.Listed, m.ConnectionsCounted}
     actions = {m.Bind, m.Place, m.SendRegister, m.AskPodResources, m.CountConnections, m.CancelCall, m.EndStreams,
@@ -273,3 +273,23 @@ def test_a_predecessor_still_streaming_exits_after_the_handover_without_a_let_go
     streaming = plain.book.current
     plain.handle(2.0, m.Stop())  # a plain stop waits for kubelet to let go
     assert plain.state is State.STOPPING and m.CountConnections((streaming,)) in plain.take()
+
+
+def test_register_again_hands_over_from_our_own_socket_and_is_ignored_while_handed_off():
+    reg = registered()
+    current = reg.book.current
+    reg.handle(1.0, m.RegisterAgain())
+    acts = reg.take()
+    assert m.EndStreams(current) in acts and m.CountConnections((current,)) in acts
+    reg.handle(1.001, m.ConnectionsCounted(0))
+    ask = first(reg.take(), m.AskPodResources)
+    reg.handle(1.002, m.Listed(ask.cid, Listing.LISTED, 0))  # kubelet let go of it
+    place = first(reg.take(), m.Place)
+    reg.handle(1.002, m.Placed(place.sid))
+    assert first(reg.take(), m.SendRegister).sid == place.sid
+    assert reg.tally.begun.get(Why.TAKEN_BACK) == 1
+    off = registered()
+    off.handle(1.0, m.HandOff())
+    off.take()
+    off.handle(1.5, m.RegisterAgain())  # the successor's business now
+    assert kinds(off) == [] and off.tally.begun.get(Why.TAKEN_BACK) is None

@@ -188,6 +188,10 @@ class Registration:
             return
         self.moves.hand_over(now, Purpose.HAND_OFF, streaming)
 
+    def _register_again(self, now: float, e: m.RegisterAgain) -> None:
+        if self.moves.state in SERVED and self.moves.state not in HANDED:
+            self.moves.attempt(now, Why.TAKEN_BACK)
+
     def _take_back(self, now: float, e: m.TakeBack) -> None:
         """As a start after an earlier instance: the successor may have registered before it
         failed, and kubelet (<= 1.36) would tear down by name whatever we register before it
@@ -435,6 +439,7 @@ _HANDLERS = {
     m.Serve: Registration._serve, m.Unserve: Registration._unserve, m.Publish: Registration._publish,
     m.Reconfigure: Registration._reconfigure, m.Stop: Registration._stop, m.CloseAll: Registration._close,
     m.Release: Registration._release, m.HandOff: Registration._hand_off, m.TakeBack: Registration._take_back,
+    m.RegisterAgain: Registration._register_again,
     m.KubeletCreated: Registration._kubelet_created, m.KubeletGone: Registration._kubelet_gone,
     m.SocketDeleted: Registration._socket_deleted, m.Nudge: Registration._nudge,
     m.Bound: Registration._bound, m.Placed: Registration._placed,

@@ -117,6 +117,12 @@ class TakeBack(NamedTuple):
     """A predecessor's: the successor failed; register again."""
 
 
+class RegisterAgain(NamedTuple):
+    """A predecessor's, some time after a take-back: a Register of the failed successor may
+    have reached kubelet (<= 1.36) after ours, unseen, and stopped our endpoint by name when
+    it was torn down; a registration of ours made after that is safe."""
+
+
 class Unserve(NamedTuple):
     """The plugin directory is gone: nothing can be served until it is back."""
 

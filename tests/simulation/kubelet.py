@@ -370,12 +370,13 @@ class KubeletModel:
                        f"(a node agent polling at {self.agent_rps:g}/s beside us)")
         # A Register in flight when its daemon was killed goes on in kubelet; nothing the next
         # daemon can see tells it apart, so a duplicate it makes is counted, not failed on.
-        # Nor one that such an orphan's late teardown knocked out (it never streams: the daemon
-        # registers again once its verification runs out).
+        # That is: the orphan came after the daemon's Register, or the daemon's was one that such an
+        # orphan's late teardown knocked out (it never streams: the daemon registers again once
+        # its verification runs out, or once its predecessor's take-back registers once more).
         # (kubelet with endpoints per socket keeps two of a resource apart: an upgrade's
         # successor registers beside its predecessor there on purpose.)
         dup = [(a.path, b.path) for a, b in self.duplicates(resource)
-               if self.mode == "1.32" and not self._orphan_caused(a)]
+               if self.mode == "1.32" and not (self._orphan_caused(a) or self._orphan_caused(b))]
         if dup:
             out.append(f"duplicate Registers in one kubelet process: {dup}")
         return out

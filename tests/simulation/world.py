@@ -320,10 +320,10 @@ class Daemon:
                     self.child.die()
                 else:
                     self.child.sigterm()  # it lets go of what it registered; its exit ends the talk
-            elif isinstance(a, handoff.TakeBack):
-                self.predecessor = None  # an upgrade of our own, no longer under way
             elif isinstance(a, handoff.MainPid):
                 self.w.daemon = self.child
+        if p is not None and p.phase is handoff.Phase.FAILED and p.over:
+            self.predecessor = None  # an upgrade of our own, no longer under way
         for a in s.take() if s is not None else ():
             handoff.to_node(now, self.node, a)
             if isinstance(a, handoff.Send) and self.parent is not None and self.parent.alive:
