@@ -25,9 +25,10 @@ import os
 import re
 import stat
 import sys
-from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from atedevd import policy, sockets, trust
+from atedevd.record import Record
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -57,7 +58,7 @@ def is_pattern(path: str) -> bool:
     return any(c in path for c in _GLOB)
 
 
-class Device(NamedTuple):
+class Device(Record):
     """One device node advertised as `count` shareable units of `resource`; or, when
     `path` is a pattern, every node it matches, each one unit handed to one container.
     `companions` are nodes every unit brings along (VFIO: /dev/vfio/vfio)."""
@@ -100,7 +101,7 @@ DEFAULT_DEVICES = (Device("ate.dev/kvm", "/dev/kvm"),)
 MAX_DEVICES = 32
 
 
-class Config(NamedTuple):
+class Config(Record):
     device_plugin_dir: str = "/var/lib/kubelet/device-plugins"
     dev_root: str = "/dev"
     sys_root: str = "/sys"  # where the kernel's account of a node is read (the policy, NUMA nodes)

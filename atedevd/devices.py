@@ -23,11 +23,12 @@ import logging
 import os
 import stat
 import threading
-from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from atedevd import policy
 from atedevd.api import pb
 from atedevd.config import Device, file_type, host_path
+from atedevd.record import Record
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ PRESENT = "present"
 MISSING = "missing"
 
 
-class Presence(NamedTuple):
+class Presence(Record):
     """What is at a device's path now: `state` is PRESENT or why not."""
 
     state: str
@@ -62,7 +63,7 @@ def presence(device: Device, dev_root: str, sys_root: str = policy.SYS_ROOT) -> 
     return Presence(PRESENT, node, found)
 
 
-class Change(NamedTuple):
+class Change(Record):
     """A device's presence changed: what to tell the journal, and whether it is served Healthy."""
 
     present: bool

@@ -20,7 +20,9 @@ simulation), and ask for what they need done as actions.
 
 import enum
 import logging
-from typing import List, NamedTuple, Optional
+from typing import List, Optional
+
+from atedevd.record import Record
 
 READY_LIMIT_S = 30.0  # the successor imports, reads the configuration and binds its sockets by then
 LET_GO_LIMIT_S = 10.0  # kubelet lets go of our ended streams by then (the handover's own limit is 5 s)
@@ -49,50 +51,50 @@ class Phase(enum.Enum):
 # --- actions ----------------------------------------------------------------------------------
 
 
-class Send(NamedTuple):
+class Send(Record):
     message: Message
 
 
-class HandOff(NamedTuple):
+class HandOff(Record):
     """Predecessor: end our streams and wait until kubelet has let go of them (`let_go`)."""
 
 
-class TakeBack(NamedTuple):
+class TakeBack(Record):
     """Predecessor: the successor failed; serve and register as before."""
 
     why: str
 
 
-class Stop(NamedTuple):
+class Stop(Record):
     """Predecessor: stop the successor (it failed, or took too long). `kill`: at once; else
     it is asked to (SIGTERM) and lets go of what it registered, which `exited` then says."""
 
     kill: bool = True
 
 
-class RegisterAgain(NamedTuple):
+class RegisterAgain(Record):
     """Predecessor: a while after taking back from a successor that died registering, register
     once more (its Register may have reached kubelet <= 1.36 after ours, and torn ours down
     by name: nothing we can see tells)."""
 
 
-class Exit(NamedTuple):
+class Exit(Record):
     """Predecessor: the successor is main; stop serving (its sockets only) and exit."""
 
 
-class MainPid(NamedTuple):
+class MainPid(Record):
     """Predecessor: tell systemd the successor is the main process now."""
 
 
-class Release(NamedTuple):
+class Release(Record):
     """Successor: register now."""
 
 
-class BecomeMain(NamedTuple):
+class BecomeMain(Record):
     """Successor: systemd's main process from now on (READY, STATUS, the watchdog, the metrics)."""
 
 
-class Say(NamedTuple):
+class Say(Record):
     level: int
     text: str
 

@@ -15,8 +15,9 @@ documented in docs/metrics.md.
 import logging
 import os
 import time
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
+from atedevd.record import Record
 from atedevd.registration.messages import State, Why
 from atedevd.registration.report import Report
 
@@ -38,7 +39,7 @@ def resolve_dir(configured: Optional[str]) -> Optional[str]:
     return configured or None
 
 
-class DaemonInfo(NamedTuple):
+class DaemonInfo(Record):
     """What does not change while the daemon runs."""
 
     version: str

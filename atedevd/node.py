@@ -10,7 +10,7 @@ served match what exists. All I/O goes through the host.
 
 import logging
 import os
-from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence
 
 import inotify.constants as ic
 
@@ -18,6 +18,7 @@ from atedevd import sockets
 from atedevd.config import Device
 from atedevd.kubelet import KUBELET_SOCKET, KubeletView
 from atedevd.pod_resources import PodResourcesClient
+from atedevd.record import Record
 from atedevd.registration.messages import State
 from atedevd.registration.report import Report
 from atedevd.resource import Resource
@@ -28,7 +29,7 @@ _LOST_EVENTS = ic.IN_Q_OVERFLOW | ic.IN_DELETE_SELF | ic.IN_MOVE_SELF | ic.IN_IG
 _MADE = ic.IN_CREATE | ic.IN_MOVED_TO
 
 
-class DirectoryNews(NamedTuple):
+class DirectoryNews(Record):
     """What one batch of watcher events means for registration, and for the devices."""
 
     kubelet_created: bool  # kubelet.sock was (re)created

@@ -28,11 +28,12 @@ import logging
 import os
 import re
 import stat
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from atedevd import policy
 from atedevd.config import MAX_DEVICE_ID, Device, host_path
 from atedevd.devices import MISSING, PRESENT, Change, Snapshot, _Companions, _numbers, presence
+from atedevd.record import Record
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def unit_id(path: str) -> str:
     return kept[:MAX_DEVICE_ID - _HASH - 1] + "~" + digest
 
 
-class Unit(NamedTuple):
+class Unit(Record):
     """One unit of a pattern resource as kubelet is told of it: one node, one container."""
 
     id: str
@@ -305,7 +306,7 @@ class ExclusiveTable:
         return rows + self._companions.listing()
 
 
-class NodeRow(NamedTuple):
+class NodeRow(Record):
     """One node of a resource as `atedevd check` lists it."""
 
     id: Optional[str]  # the unit's ID; None for a node that is no unit (refused, held, a companion)

@@ -19,12 +19,14 @@ a test keeps the two in step.
 
 import os
 import stat
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, Optional, Tuple
+
+from atedevd.record import Record
 
 SYS_ROOT = "/sys"
 
 
-class Node(NamedTuple):
+class Node(Record):
     """A device node as the kernel knows it."""
 
     path: str  # the path looked at
@@ -47,7 +49,7 @@ class Node(NamedTuple):
         return f"{shown} ({self.kind} {self.numbers}, {sysfs})"
 
 
-class Rule(NamedTuple):
+class Rule(Record):
     """One kind of node that gives a container the host, and why."""
 
     what: str  # what the node is, in words
@@ -146,7 +148,7 @@ RULES: Tuple[Rule, ...] = (
 )
 
 
-class Refusal(NamedTuple):
+class Refusal(Record):
     """A node that gives a container the host."""
 
     node: Node

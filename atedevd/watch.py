@@ -25,10 +25,11 @@ import os
 import stat
 import struct
 import time
-from typing import Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import inotify.constants as c
 
+from atedevd.record import Record
 from atedevd.systemd import event
 
 _HEADER = struct.Struct("iIII")  # wd, mask, cookie, len
@@ -78,7 +79,7 @@ def _rm_watch(fd: int, wd: int) -> None:
     _check(_libc.inotify_rm_watch(fd, wd))
 
 
-class Event(NamedTuple):
+class Event(Record):
     directory: str  # the watched directory the event happened in
     name: str  # the entry's name, "" for events on the directory itself
     mask: int

@@ -13,6 +13,7 @@ import pytest
 
 from atedevd import performer
 from atedevd.registration import machine as machine_module
+from atedevd.record import Record
 from atedevd.registration import messages as m
 from atedevd.registration.machine import TRANSITIONS, InvalidTransition, Registration
 from atedevd.registration.messages import Listing, Outcome, State, Why
@@ -157,7 +158,7 @@ def test_every_event_has_a_handler_and_every_action_a_performer():
               m.StreamRefused, m.RegisterDone, m.Listed, m.ConnectionsCounted}
     actions = {m.Bind, m.Place, m.SendRegister, m.AskPodResources, m.CountConnections, m.CancelCall, m.EndStreams,
                m.ResendList, m.CloseSocket, m.Say}
-    named = {v for v in vars(m).values() if isinstance(v, type) and issubclass(v, tuple)}
+    named = {v for v in vars(m).values() if isinstance(v, type) and issubclass(v, Record) and v is not Record}
     assert named == events | actions  # nothing in messages.py is neither
     assert set(machine_module._HANDLERS) == events
     assert set(performer._DO) == actions

@@ -4,17 +4,18 @@ Servers get a generic handler built from any object with the method names;
 clients get a stub whose attributes are the channel's multi-callables.
 """
 
-from typing import Dict, NamedTuple
+from typing import Dict
 
 import grpc
 
 from atedevd.api import deviceplugin_pb2 as pb
 from atedevd.api import podresources_pb2 as prpb
+from atedevd.record import Record
 
 API_VERSION = "v1beta1"
 
 
-class Method(NamedTuple):
+class Method(Record):
     request: type
     response: type
     server_streaming: bool = False

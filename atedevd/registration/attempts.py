@@ -9,8 +9,9 @@ wakes us first). Any other failure retires the socket: the next try registers an
 """
 
 import enum
-from typing import Iterator, NamedTuple, Optional
+from typing import Iterator, Optional
 
+from atedevd.record import Record
 from atedevd.registration.messages import CancelCall, Outcome, SendRegister, Why
 from atedevd.registration.report import Tally
 from atedevd.registration.socket_book import SocketBook
@@ -42,7 +43,7 @@ class Backoff:
         self.delay = 0.0
 
 
-class Call(NamedTuple):
+class Call(Record):
     cid: int
     started: float
     sid: int  # the socket it names

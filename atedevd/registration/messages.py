@@ -8,7 +8,9 @@ reworded log line can never change a series.
 """
 
 import enum
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
+
+from atedevd.record import Record
 
 
 class State(enum.Enum):
@@ -95,7 +97,7 @@ class Timer(enum.Enum):
 # --- events: what happened --------------------------------------------------------------
 
 
-class Serve(NamedTuple):
+class Serve(Record):
     """The device is advertised and the plugin directory exists. `kubelet_at`: when the
     kubelet.sock there now appeared, if one is there. `held`: a successor's, bound but not
     registered until `Release` (its predecessor still serves)."""
@@ -105,31 +107,31 @@ class Serve(NamedTuple):
     held: bool = False
 
 
-class Release(NamedTuple):
+class Release(Record):
     """A successor's: its predecessor let go (or registers beside it): register now."""
 
 
-class HandOff(NamedTuple):
+class HandOff(Record):
     """A predecessor's: a successor is ready; end our streams, wait until kubelet let go."""
 
 
-class TakeBack(NamedTuple):
+class TakeBack(Record):
     """A predecessor's: the successor failed; register again."""
 
 
-class RegisterAgain(NamedTuple):
+class RegisterAgain(Record):
     """A predecessor's, some time after a take-back: a Register of the failed successor may
     have reached kubelet (<= 1.36) after ours, unseen, and stopped our endpoint by name when
     it was torn down; a registration of ours made after that is safe."""
 
 
-class Unserve(NamedTuple):
+class Unserve(Record):
     """The plugin directory is gone: nothing can be served until it is back."""
 
     why: str
 
 
-class Publish(NamedTuple):
+class Publish(Record):
     """A new device table went to our sockets: `units`, `healthy_units` of them Healthy. kubelet
     learns it on the open stream: no new registration."""
 
@@ -137,14 +139,14 @@ class Publish(NamedTuple):
     healthy_units: int
 
 
-class Reconfigure(NamedTuple):
+class Reconfigure(Record):
     """The resource's configuration changed on reload: serve it anew, handing over."""
 
     units: int
     healthy_units: int
 
 
-class Stop(NamedTuple):
+class Stop(Record):
     """SIGTERM: end our streams and wait until kubelet has let go of them (bounded).
     `handed_over`: the exit after an upgrade, our successor registered: what kubelet lists
     is its, and nothing of ours can undo its registration (kubelet had let go of us, or
@@ -153,11 +155,11 @@ class Stop(NamedTuple):
     handed_over: bool = False
 
 
-class CloseAll(NamedTuple):
+class CloseAll(Record):
     """Stop every socket now (exit, or the resource is no longer configured)."""
 
 
-class KubeletCreated(NamedTuple):
+class KubeletCreated(Record):
     """A new kubelet.sock, created at `at`. `ours_present`: a socket of ours kubelet may
     hold is still in the directory (a starting kubelet deletes them all first)."""
 
@@ -165,53 +167,53 @@ class KubeletCreated(NamedTuple):
     ours_present: bool
 
 
-class KubeletGone(NamedTuple):
+class KubeletGone(Record):
     """kubelet.sock was deleted."""
 
 
-class SocketDeleted(NamedTuple):
+class SocketDeleted(Record):
     """A socket file of ours was deleted (kubelet's wipe, or someone else)."""
 
     sid: int
 
 
-class Nudge(NamedTuple):
+class Nudge(Record):
     """News from kubelet's directory: a retry that waits may go now."""
 
 
-class Bound(NamedTuple):
+class Bound(Record):
     """The outcome of `Bind`: None, or the error."""
 
     sid: int
     error: Optional[str] = None
 
 
-class Placed(NamedTuple):
+class Placed(Record):
     """The outcome of `Place`: None, or the error."""
 
     sid: int
     error: Optional[str] = None
 
 
-class StreamOpened(NamedTuple):
+class StreamOpened(Record):
     """kubelet opened its ListAndWatch stream on `sid`."""
 
     sid: int
 
 
-class ListSent(NamedTuple):
+class ListSent(Record):
     """kubelet has `sid`'s first device list (gRPC asked for the next message)."""
 
     sid: int
 
 
-class StreamEnded(NamedTuple):
+class StreamEnded(Record):
     """kubelet ended its ListAndWatch stream on `sid` (not we)."""
 
     sid: int
 
 
-class StreamRefused(NamedTuple):
+class StreamRefused(Record):
     """A ListAndWatch stream beyond the resource's budget was refused."""
 
     sid: int
@@ -219,7 +221,7 @@ class StreamRefused(NamedTuple):
     where: str
 
 
-class RegisterDone(NamedTuple):
+class RegisterDone(Record):
     """The outcome of `SendRegister` `cid`; `error`: kubelet's words, when not OK."""
 
     cid: int
@@ -227,7 +229,7 @@ class RegisterDone(NamedTuple):
     error: str = ""
 
 
-class Listed(NamedTuple):
+class Listed(Record):
     """The outcome of `AskPodResources` `cid`: how many of our devices kubelet lists."""
 
     cid: int
@@ -235,7 +237,7 @@ class Listed(NamedTuple):
     count: int = 0
 
 
-class ConnectionsCounted(NamedTuple):
+class ConnectionsCounted(Record):
     """The outcome of `CountConnections`: kubelet's connections still open to those
     sockets, None when our descriptors cannot show them."""
 
@@ -245,63 +247,63 @@ class ConnectionsCounted(NamedTuple):
 # --- actions: what to do ------------------------------------------------------------------
 
 
-class Bind(NamedTuple):
+class Bind(Record):
     """Serve a new socket: in the standby directory, or in kubelet's directory."""
 
     sid: int
     standby: bool
 
 
-class Place(NamedTuple):
+class Place(Record):
     """Rename the standby socket into kubelet's directory."""
 
     sid: int
 
 
-class SendRegister(NamedTuple):
+class SendRegister(Record):
     """Register the socket `sid` with kubelet; the outcome comes back as `RegisterDone`."""
 
     cid: int
     sid: int
 
 
-class AskPodResources(NamedTuple):
+class AskPodResources(Record):
     """Ask pod-resources how many of our devices kubelet lists: `Listed`."""
 
     cid: int
 
 
-class CountConnections(NamedTuple):
+class CountConnections(Record):
     """Count kubelet's open connections to these sockets: `ConnectionsCounted`."""
 
     sids: Tuple[int, ...]
 
 
-class CancelCall(NamedTuple):
+class CancelCall(Record):
     """Cancel a call; its outcome, if it still comes, is ignored."""
 
     cid: int
 
 
-class EndStreams(NamedTuple):
+class EndStreams(Record):
     """End the ListAndWatch streams on `sid`."""
 
     sid: int
 
 
-class ResendList(NamedTuple):
+class ResendList(Record):
     """Send the device list again on `sid`'s streams."""
 
     sid: int
 
 
-class CloseSocket(NamedTuple):
+class CloseSocket(Record):
     """Stop serving `sid` and remove its socket file."""
 
     sid: int
 
 
-class Say(NamedTuple):
+class Say(Record):
     """A journal line; `once`: a key said at most once per daemon."""
 
     level: int

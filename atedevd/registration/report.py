@@ -5,8 +5,9 @@ Registers are counted by `Why` (an enum), and the last error's text is kept once
 
 import logging
 import time
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
+from atedevd.record import Record
 from atedevd.registration.messages import Say, State, Why
 
 WARN_AFTER_S = 20.0  # failing this long after a first registration (past any kubelet restart): a WARNING ...
@@ -101,7 +102,7 @@ class Tally:
         self._out.append(Say(level, kind, f"{self.name}: {text}"))
 
 
-class Report(NamedTuple):
+class Report(Record):
     """One resource as `STATUS=` and the metrics show it, at one moment."""
 
     name: str
