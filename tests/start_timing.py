@@ -4,7 +4,7 @@
 
 Each run starts `atedevd run` as a process (tests/harness.py, the unit's
 Environment=, the shipped etc/config.toml) with the stand-in up, stamps the moment Register arrives in the
-stand-in, then stops the daemon: SIGTERM, or SIGKILL with --kill (the next start
+stand-in, reads its resident set 0.7 s later (--compare prints it), then stops the daemon: SIGTERM, or SIGKILL with --kill (the next start
 then finds the dead run's sockets). `start` is the moment before the fork.
 
 Between runs it times the floor: a process that only imports grpc and our
@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Dict, List
 
-from bench.rig import Rig, percentile
+from bench.rig import Rig, percentile, rss_kib
 from tests.harness import RESOURCE
 
 # What no start can avoid: the interpreter, grpc and protobuf (with our generated messages).
@@ -36,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # reads and parses it, as on a node.
 SHIPPED_CONFIG = os.path.join(os.path.dirname(HERE), "etc", "config.toml")
 TRACE_DIR = os.path.join(HERE, "start_trace")  # its sitecustomize.py prints the steps
+RSS_AFTER_S = 0.7  # the resident set is read this long after the registration: the start is done
 
 
 def one_run(rig: Rig, n: int, kill: bool, trace: bool, env: Dict[str, str]) -> dict:
@@ -51,6 +52,8 @@ def one_run(rig: Rig, n: int, kill: bool, trace: bool, env: Dict[str, str]) -> d
         register = k.arrivals[0] - d.started_at
     if not k.wait_connected(RESOURCE, registrations=n, timeout=30):
         raise RuntimeError(f"not connected; log:\n{d.log()}")
+    time.sleep(RSS_AFTER_S)  # the start's deferred work done (0.5 s at most)
+    rss = rss_kib(d.pid)
     d.send(signal.SIGKILL if kill else signal.SIGTERM)
     d.wait(30)
     d.close()
@@ -60,7 +63,7 @@ def one_run(rig: Rig, n: int, kill: bool, trace: bool, env: Dict[str, str]) -> d
         m = re.match(r"TRACE +([0-9.]+) (.*)", line)
         if m:
             steps.append((m.group(2), float(m.group(1))))
-    return {"register": register, "steps": steps}
+    return {"register": register, "steps": steps, "rss": rss}
 
 
 def main(argv: List[str] = None) -> int:
@@ -119,6 +122,7 @@ def main(argv: List[str] = None) -> int:
 def compare(trees: List[str], args) -> int:
     """Runs alternate between the trees (this one first), so both see the same machine."""
     got: Dict[str, List[float]] = {t: [] for t in trees}
+    rss: Dict[str, List[float]] = {t: [] for t in trees}
     with Rig() as rig:
         for i in range(2 * args.runs + 2):
             tree = trees[i % 2]
@@ -126,10 +130,12 @@ def compare(trees: List[str], args) -> int:
             r = one_run(rig, i + 1, args.kill, False, env)
             if i >= 2:  # the first of each warms the page cache
                 got[tree].append(r["register"] * 1000)
+                rss[tree].append(r["rss"] / 1024)
     for tree, regs in got.items():
         regs.sort()
         print(f"{tree}: start -> Register, {len(regs)} runs ({'SIGKILL' if args.kill else 'SIGTERM'} between): "
-              f"min {regs[0]:.1f} / p50 {percentile(regs, 50):.1f} / p90 {percentile(regs, 90):.1f} / max {regs[-1]:.1f} ms")
+              f"min {regs[0]:.1f} / p50 {percentile(regs, 50):.1f} / p90 {percentile(regs, 90):.1f} / max {regs[-1]:.1f} ms; "
+              f"RSS {RSS_AFTER_S} s after, p50 {percentile(sorted(rss[tree]), 50):.1f} MiB")
     return 0
 
 
