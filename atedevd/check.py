@@ -178,9 +178,9 @@ def _check_pattern(cfg: Config, dev: Device, report: Report) -> None:
 def node_rows(cfg: Config, dev: Device) -> List[dict]:
     """Every node the device reaches (a pattern's matches, its node, its companions), judged
     as the daemon judges them at its start: ID, major:minor, NUMA node, present, allowed."""
-    from atedevd import devices
+    from atedevd.resource import node_table
 
-    table = devices.table(dev, cfg.dev_root, cfg.sys_root)
+    table = node_table(dev, cfg.dev_root, cfg.sys_root)
     table.look()  # what it would log is what these rows say
     return [dict(row._asdict(), numa=list(row.numa), pci=list(row.pci)) for row in table.listing()]
 

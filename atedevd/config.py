@@ -58,6 +58,36 @@ def is_pattern(path: str) -> bool:
     return any(c in path for c in _GLOB)
 
 
+class Pattern:
+    """The matches of one pattern path, looked up under a dev root."""
+
+    def __init__(self, path: str, dev_root: str) -> None:
+        self.path = path  # as configured, under /dev
+        directory, self.glob = os.path.split(path)
+        self.directory = directory  # as pods see it
+        self.host_directory = os.path.normpath(host_path(directory, dev_root))
+        import fnmatch  # only where a pattern is configured: a start without pays nothing (0.2 ms)
+
+        self._match = re.compile(fnmatch.translate(self.glob)).match
+        self._dots = self.glob.startswith(".")
+
+    def names(self) -> List[str]:
+        """Every entry of the directory the pattern matches, sorted; [] when the directory is not there."""
+        try:
+            entries = os.listdir(self.host_directory)
+        except OSError:
+            return []
+        match, dots = self._match, self._dots
+        return sorted(n for n in entries if (dots or n[0] != ".") and match(n))
+
+    def path_of(self, name: str) -> str:
+        """The path pods see for a match: `/dev/vfio/12`."""
+        return self.directory + "/" + name
+
+    def host_path_of(self, name: str) -> str:
+        return os.path.join(self.host_directory, name)
+
+
 class Device(Record):
     """One device node advertised as `count` shareable units of `resource`; or, when
     `path` is a pattern, every node it matches, each one unit handed to one container.
@@ -596,13 +626,11 @@ def _check_exclusive(cfg: Config, lines: Optional[_Lines], report: _Report) -> N
     """A node a pattern hands to one container at a time must be no other device's: not
     another table's path, companion or match (judged on the nodes there now, by number,
     every symlink followed)."""
-    from atedevd import patterns
-
     reach: Dict[int, List[Tuple[int, str]]] = {}  # st_rdev -> (table index, path) of every way to it
     for i, dev in enumerate(cfg.devices):
         paths = list(dev.companions)
         if dev.pattern:
-            found = patterns.Pattern(dev.path, cfg.dev_root)
+            found = Pattern(dev.path, cfg.dev_root)
             paths += [found.path_of(n) for n in found.names() if found.path_of(n) not in dev.companions]
         else:
             paths.append(dev.path)

@@ -1,11 +1,12 @@
-"""The device table of one resource: presence on the node, unit IDs, health snapshots.
+"""The device table of one resource: presence on the node, unit IDs, health snapshots, and
+where a node sits (its NUMA node and PCI address, from sysfs) as `atedevd check` lists it.
 
 A device node is advertised as `count` shareable units; a pattern path
 (`/dev/ttyUSB*`) as one unit per matching node, each handed to one container.
 Presence is read from the node (a character device under the dev root, every
 symlink followed, as the container runtime follows them); what kubelet sees is
 an immutable `Snapshot`, so gRPC threads never share mutable state with the loop.
-The loop owns one table per resource (`table()`): it looks at the nodes on every
+The loop owns one table per resource (`resource.node_table()`): it looks at the nodes on every
 wake-up and says what changed.
 
 The node stays the node: `NodeWatch` remembers the major:minor first served
@@ -215,17 +216,6 @@ class Snapshot:
 
 # --- the loop's table of one resource ------------------------------------------------------
 
-def table(device: Device, dev_root: str, sys_root: str = policy.SYS_ROOT):
-    """The loop's record of one resource's nodes: one shareable node (`SharedTable`), or a
-    pattern's units (`patterns.ExclusiveTable`); both answer look(), snapshot(version),
-    forget(), listing(), `healthy` and `advertised`."""
-    if device.pattern:
-        from atedevd import patterns  # only where some device has a pattern: a start without pays nothing
-
-        return patterns.ExclusiveTable(device, dev_root, sys_root)
-    return SharedTable(device, dev_root, sys_root)
-
-
 def directories(device: Device, dev_root: str) -> List[str]:
     """The directories whose events can change what the resource serves (its nodes come and go there)."""
     return list(dict.fromkeys(os.path.dirname(host_path(p, dev_root)) for p in (device.path, *device.companions)))
@@ -265,8 +255,6 @@ class _Companions:
             watch.forget()
 
     def listing(self) -> list:
-        from atedevd.patterns import row
-
         return [row(dev, self._dev_root, self._sys_root, "companion") for dev, _ in self._nodes]
 
 
@@ -309,8 +297,68 @@ class SharedTable:
             self._companions.forget()
 
     def listing(self) -> list:
-        """The device's node and its companions, for `atedevd check` (patterns.NodeRow)."""
-        from atedevd.patterns import row
-
+        """The device's node and its companions, for `atedevd check`."""
         rows = [row(self.device, self._dev_root, self._sys_root, "node")]
         return rows + (self._companions.listing() if self._companions else [])
+
+
+# --- a node as `atedevd check` lists it ----------------------------------------------------
+
+class NodeRow(Record):
+    """One node of a resource as `atedevd check` lists it."""
+
+    id: Optional[str]  # the unit's ID; None for a node that is no unit (refused, held, a companion)
+    path: str  # as pods see it
+    host_path: str
+    role: str  # "unit", "match" (matched, not a unit), "node" (a shareable device's), "companion"
+    device_number: Optional[str]  # MAJOR:MINOR
+    numa: Tuple[int, ...]
+    pci: Tuple[str, ...]
+    present: bool
+    allowed: bool  # the device policy lets pods have it
+    state: str  # "ok", or why it is not served
+
+
+def row(device: Device, dev_root: str, sys_root: str, role: str) -> NodeRow:
+    """A node judged on its own (a shareable device's, a companion)."""
+    found = presence(device, dev_root, sys_root)
+    numa, pci = placement(found.node, sys_root) if found.node is not None else ((), ())
+    refused = found.refusal is not None and found.state != PRESENT
+    return NodeRow(None, device.path, device.host_path(dev_root), role, found.node.numbers if found.node else None,
+                   numa, pci, found.state != MISSING, not refused,
+                   "ok" if found.state == PRESENT else found.state)
+
+
+def placement(node: policy.Node, sys_root: str = policy.SYS_ROOT) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    """(NUMA nodes, PCI addresses) of the hardware behind a node, as sysfs tells them.
+
+    A VFIO group (`/dev/vfio/N`, sysfs class vfio) has no device of its own in sysfs:
+    its devices are /sys/kernel/iommu_groups/N/devices/<PCI address>, each with a
+    `numa_node`. Any other node's device is /sys/dev/char/MAJ:MIN/device; the nearest
+    ancestor with a `numa_node` (a USB serial adapter's is its host controller's) says.
+    -1 (no NUMA information) and an unreadable file say nothing."""
+    if node.subsystem == "vfio" and node.name and node.name.startswith("vfio/") and node.name[5:].isdigit():
+        group = os.path.join(sys_root, "kernel", "iommu_groups", node.name[5:], "devices")
+        try:
+            pci = tuple(sorted(os.listdir(group)))
+        except OSError:
+            return (), ()
+        numa = {_read_numa(os.path.join(group, addr, "numa_node")) for addr in pci}
+        return tuple(sorted(n for n in numa if n is not None)), pci
+    devices = os.path.join(sys_root, "devices")
+    here = os.path.realpath(os.path.join(sys_root, "dev", node.kind, f"{node.major}:{node.minor}", "device"))
+    while here.startswith(devices + "/"):
+        n = _read_numa(os.path.join(here, "numa_node"))
+        if n is not None or os.path.exists(os.path.join(here, "numa_node")):
+            return ((n,) if n is not None else ()), ()
+        here = os.path.dirname(here)
+    return (), ()
+
+
+def _read_numa(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            n = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return n if n >= 0 else None

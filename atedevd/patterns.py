@@ -1,5 +1,6 @@
-"""Pattern devices (`/dev/ttyUSB*`, `/dev/vfio/[0-9]*`): the nodes a pattern matches, each
-one's ID, the table of units the loop keeps, their NUMA nodes, and which units to prefer.
+"""Pattern devices (`/dev/ttyUSB*`, `/dev/vfio/[0-9]*`): each matched node's ID, the table of
+units the loop keeps, and which units to prefer. What a pattern matches is `config.Pattern`
+(the configuration's check reads it too); where a node sits (NUMA, PCI) is `devices.placement`.
 
 Only imported where some device has a pattern: a start with the shareable default pays
 nothing for it.
@@ -22,7 +23,6 @@ for whatever holds it now. Where the kernel's names are not stable enough, match
 the links udev makes from the hardware (`/dev/serial/by-id/*`), whose names are.
 """
 
-import fnmatch
 import hashlib
 import logging
 import os
@@ -31,8 +31,8 @@ import stat
 from typing import Callable, Dict, List, Optional, Tuple
 
 from atedevd import policy
-from atedevd.config import MAX_DEVICE_ID, Device, host_path
-from atedevd.devices import MISSING, PRESENT, Change, Snapshot, _Companions, _numbers, presence
+from atedevd.config import MAX_DEVICE_ID, Device, Pattern
+from atedevd.devices import MISSING, PRESENT, Change, NodeRow, Snapshot, _Companions, _numbers, placement, presence
 from atedevd.record import Record
 
 log = logging.getLogger(__name__)
@@ -40,34 +40,6 @@ log = logging.getLogger(__name__)
 # Characters an ID keeps as they are; a name with any other gets a hash of itself.
 _PLAIN = re.compile(r"[A-Za-z0-9._:+@-]+")
 _HASH = 10  # hex digits of sha256 when an ID is shortened or its name was not plain
-
-
-class Pattern:
-    """The matches of one pattern path, looked up under a dev root."""
-
-    def __init__(self, path: str, dev_root: str) -> None:
-        self.path = path  # as configured, under /dev
-        directory, self.glob = os.path.split(path)
-        self.directory = directory  # as pods see it
-        self.host_directory = os.path.normpath(host_path(directory, dev_root))
-        self._match = re.compile(fnmatch.translate(self.glob)).match
-        self._dots = self.glob.startswith(".")
-
-    def names(self) -> List[str]:
-        """Every entry of the directory the pattern matches, sorted; [] when the directory is not there."""
-        try:
-            entries = os.listdir(self.host_directory)
-        except OSError:
-            return []
-        match, dots = self._match, self._dots
-        return sorted(n for n in entries if (dots or n[0] != ".") and match(n))
-
-    def path_of(self, name: str) -> str:
-        """The path pods see for a match: `/dev/vfio/12`."""
-        return self.directory + "/" + name
-
-    def host_path_of(self, name: str) -> str:
-        return os.path.join(self.host_directory, name)
 
 
 def unit_id(path: str) -> str:
@@ -306,21 +278,6 @@ class ExclusiveTable:
         return rows + self._companions.listing()
 
 
-class NodeRow(Record):
-    """One node of a resource as `atedevd check` lists it."""
-
-    id: Optional[str]  # the unit's ID; None for a node that is no unit (refused, held, a companion)
-    path: str  # as pods see it
-    host_path: str
-    role: str  # "unit", "match" (matched, not a unit), "node" (a shareable device's), "companion"
-    device_number: Optional[str]  # MAJOR:MINOR
-    numa: Tuple[int, ...]
-    pci: Tuple[str, ...]
-    present: bool
-    allowed: bool  # the device policy lets pods have it
-    state: str  # "ok", or why it is not served
-
-
 def _state(m: _Match) -> str:
     if m.state == PRESENT:
         return "ok"
@@ -331,51 +288,6 @@ def _state(m: _Match) -> str:
     if m.state == "changed":
         return f"changed: not the {_numbers(m.first)} first served"
     return m.state
-
-
-def row(device: Device, dev_root: str, sys_root: str, role: str) -> NodeRow:
-    """A node judged on its own (a shareable device's, a companion)."""
-    found = presence(device, dev_root, sys_root)
-    numa, pci = placement(found.node, sys_root) if found.node is not None else ((), ())
-    refused = found.refusal is not None and found.state != PRESENT
-    return NodeRow(None, device.path, device.host_path(dev_root), role, found.node.numbers if found.node else None,
-                   numa, pci, found.state != MISSING, not refused,
-                   "ok" if found.state == PRESENT else found.state)
-
-
-def placement(node: policy.Node, sys_root: str = policy.SYS_ROOT) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
-    """(NUMA nodes, PCI addresses) of the hardware behind a node, as sysfs tells them.
-
-    A VFIO group (`/dev/vfio/N`, sysfs class vfio) has no device of its own in sysfs:
-    its devices are /sys/kernel/iommu_groups/N/devices/<PCI address>, each with a
-    `numa_node`. Any other node's device is /sys/dev/char/MAJ:MIN/device; the nearest
-    ancestor with a `numa_node` (a USB serial adapter's is its host controller's) says.
-    -1 (no NUMA information) and an unreadable file say nothing."""
-    if node.subsystem == "vfio" and node.name and node.name.startswith("vfio/") and node.name[5:].isdigit():
-        group = os.path.join(sys_root, "kernel", "iommu_groups", node.name[5:], "devices")
-        try:
-            pci = tuple(sorted(os.listdir(group)))
-        except OSError:
-            return (), ()
-        numa = {_read_numa(os.path.join(group, addr, "numa_node")) for addr in pci}
-        return tuple(sorted(n for n in numa if n is not None)), pci
-    devices = os.path.join(sys_root, "devices")
-    here = os.path.realpath(os.path.join(sys_root, "dev", node.kind, f"{node.major}:{node.minor}", "device"))
-    while here.startswith(devices + "/"):
-        n = _read_numa(os.path.join(here, "numa_node"))
-        if n is not None or os.path.exists(os.path.join(here, "numa_node")):
-            return ((n,) if n is not None else ()), ()
-        here = os.path.dirname(here)
-    return (), ()
-
-
-def _read_numa(path: str) -> Optional[int]:
-    try:
-        with open(path) as f:
-            n = int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-    return n if n >= 0 else None
 
 
 def _numa(nodes: Tuple[int, ...]) -> str:

@@ -1,7 +1,7 @@
 """One configured resource, owned whole by one object.
 
 A `Resource` holds everything about one `[[device]]`: its nodes on the host and
-their health (`devices.table`: one shareable node, or a pattern's units; the
+their health (`node_table`: one shareable node, or a pattern's units; the
 immutable `Snapshot` its sockets serve), its registration with kubelet (`registration.Registration`, the
 decisions) and the sockets and calls that carry it out (`performer.Performer`),
 its stream budget and Allocate counts; and it hands STATUS= and the metrics one
@@ -28,12 +28,23 @@ from atedevd.registration.report import Report
 PATTERN_LOOK_EVERY_S = 2.0
 
 
+def node_table(device: Device, dev_root: str, sys_root: str):
+    """The loop's record of one resource's nodes: one shareable node (`devices.SharedTable`),
+    or a pattern's units (`patterns.ExclusiveTable`); both answer look(), snapshot(version),
+    forget(), listing(), `healthy` and `advertised`."""
+    if device.pattern:
+        from atedevd import patterns  # only where some device has a pattern: a start without pays nothing
+
+        return patterns.ExclusiveTable(device, dev_root, sys_root)
+    return devices.SharedTable(device, dev_root, sys_root)
+
+
 class Resource:
     def __init__(self, device: Device, dev_root: str, sys_root: str, host, pod_resources, run_id: str,
                  serve_failed) -> None:
         self.device = device
         self.host = host
-        self.table = devices.table(device, dev_root, sys_root)  # its nodes as last looked at
+        self.table = node_table(device, dev_root, sys_root)  # its nodes as last looked at
         self.directories = frozenset(map(os.path.normpath, devices.directories(device, dev_root)))
         self._looked_at: Optional[float] = None  # a pattern's: when, unless its directory has news
         self.advertised = False  # once served, kept served (Unhealthy while the node is missing)
@@ -105,7 +116,7 @@ class Resource:
         it registers anew."""
         anew = plugin_options(device) != plugin_options(self.device)
         self.device = device
-        self.table = devices.table(device, dev_root, sys_root)  # the nodes there now, judged afresh
+        self.table = node_table(device, dev_root, sys_root)  # the nodes there now, judged afresh
         self.directories = frozenset(map(os.path.normpath, devices.directories(device, dev_root)))
         self.look_at_device(None, publish=False)
         self.snapshot = self._new_snapshot()

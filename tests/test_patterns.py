@@ -11,6 +11,7 @@ import pytest
 
 from atedevd import check, config, devices, patterns, trust
 from atedevd.config import ConfigError, Device
+from atedevd.resource import node_table
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod and chown need root")
 VFIO = Device("ate.dev/vfio", "/dev/vfio/[0-9]*", companions=("/dev/vfio/vfio",))
@@ -65,10 +66,10 @@ def look(table):
 def test_a_pattern_matches_names_in_one_directory_as_the_shell_does(tmp_path):
     for name in ("ttyUSB0", "ttyUSB1", "ttyUSB10", ".ttyUSB9", "ttyS0"):
         (tmp_path / name).write_text("")
-    assert patterns.Pattern("/dev/ttyUSB*", str(tmp_path)).names() == ["ttyUSB0", "ttyUSB1", "ttyUSB10"]
-    assert patterns.Pattern("/dev/tty*", str(tmp_path)).names() == ["ttyS0", "ttyUSB0", "ttyUSB1", "ttyUSB10"]
-    assert patterns.Pattern("/dev/.tty*", str(tmp_path)).names() == [".ttyUSB9"]
-    assert patterns.Pattern("/dev/vfio/[0-9]*", str(tmp_path)).names() == []  # no directory: nothing, no error
+    assert config.Pattern("/dev/ttyUSB*", str(tmp_path)).names() == ["ttyUSB0", "ttyUSB1", "ttyUSB10"]
+    assert config.Pattern("/dev/tty*", str(tmp_path)).names() == ["ttyS0", "ttyUSB0", "ttyUSB1", "ttyUSB10"]
+    assert config.Pattern("/dev/.tty*", str(tmp_path)).names() == [".ttyUSB9"]
+    assert config.Pattern("/dev/vfio/[0-9]*", str(tmp_path)).names() == []  # no directory: nothing, no error
 
 
 def test_an_id_is_the_path_under_dev_and_never_two_paths_share_one():
@@ -219,7 +220,7 @@ def test_units_come_and_go_one_by_one_and_ids_follow_the_path(tmp_path):
     dev = tmp_path / "dev"
     for i in range(3):
         mknod(dev, f"ttyUSB{i}", 188, i)
-    t = devices.table(Device("a.dev/s", "/dev/ttyUSB*"), str(dev), str(tmp_path / "nosys"))
+    t = node_table(Device("a.dev/s", "/dev/ttyUSB*"), str(dev), str(tmp_path / "nosys"))
     changes, changed, units = look(t)
     assert changed and units == {f"ttyUSB{i}": (f"/dev/ttyUSB{i}", True) for i in range(3)}
     assert [c.message for c in changes if c.level >= logging.INFO] == [
@@ -245,7 +246,7 @@ def test_numbers_once_served_are_that_units_until_a_reload(tmp_path):
     dev = tmp_path / "dev"
     mknod(dev, "ttyUSB0", 188, 0)
     os.symlink("ttyUSB0", dev / "ttyUSBlink")
-    t = devices.table(Device("a.dev/s", "/dev/ttyUSB*"), str(dev), str(tmp_path / "nosys"))
+    t = node_table(Device("a.dev/s", "/dev/ttyUSB*"), str(dev), str(tmp_path / "nosys"))
     changes, _, units = look(t)
     assert units == {"ttyUSB0": ("/dev/ttyUSB0", True)}
     assert any(c.event == "device-conflict" and "the same node as unit ttyUSB0" in c.message for c in changes), changes
@@ -272,7 +273,7 @@ def test_numbers_once_served_are_that_units_until_a_reload(tmp_path):
 def test_companions_travel_with_every_unit_and_a_missing_one_takes_them_all(tmp_path):
     dev = tmp_path / "dev"
     vfio_nodes(dev, 12, 13)
-    t = devices.table(Device("a.dev/v", "/dev/vfio/*", companions=("/dev/vfio/vfio",)), str(dev), str(tmp_path / "nosys"))
+    t = node_table(Device("a.dev/v", "/dev/vfio/*", companions=("/dev/vfio/vfio",)), str(dev), str(tmp_path / "nosys"))
     assert look(t)[2] == {"vfio-12": ("/dev/vfio/12", True), "vfio-13": ("/dev/vfio/13", True)}  # vfio is no unit
     os.unlink(dev / "vfio" / "vfio")
     changes, changed, units = look(t)
@@ -288,7 +289,7 @@ def test_vfio_groups_carry_their_numa_node_and_a_noiommu_group_is_refused(tmp_pa
     vfio_nodes(dev, 12, 13, "noiommu-0")
     sys_root = fake_vfio_sysfs(tmp_path / "sys", {12: (0, 1, "0000:3b:00.0"), 13: (1, -1, "0000:af:00.0"),
                                                   "noiommu-0": (2, 0, None)})
-    t = devices.table(Device("a.dev/v", "/dev/vfio/*", companions=("/dev/vfio/vfio",)), str(dev), sys_root)
+    t = node_table(Device("a.dev/v", "/dev/vfio/*", companions=("/dev/vfio/vfio",)), str(dev), sys_root)
     changes, _, _ = look(t)
     snap = t.snapshot(1)
     assert snap.by_id["vfio-12"].numa == (1,) and snap.by_id["vfio-13"].numa == ()  # -1: sysfs does not know
@@ -316,9 +317,9 @@ def test_a_usb_adapters_numa_node_is_its_controllers(tmp_path):
     (sys_root / "dev" / "char" / "188:0").mkdir(parents=True)
     os.symlink(tty.parent, sys_root / "dev" / "char" / "188:0" / "device")
     node = devices.policy.Node("/dev/ttyUSB0", "/dev/ttyUSB0", "char", 188, 0)
-    assert patterns.placement(node, str(sys_root)) == ((1,), ())
+    assert devices.placement(node, str(sys_root)) == ((1,), ())
     (pci / "numa_node").write_text("-1\n")
-    assert patterns.placement(node, str(sys_root)) == ((), ())
+    assert devices.placement(node, str(sys_root)) == ((), ())
 
 
 # --- snapshots and the preferred allocation ---------------------------------------------------
