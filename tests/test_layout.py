@@ -1,4 +1,4 @@
-"""The package's layout: no import cycle among its modules (a package may import its own submodules).
+"""The package's layout: no import cycle among its modules (a package may import its own submodules), no class over 400 lines.
 
 Every `import` and `from ... import` in the package's source counts, at module level or
 inside a function (a lazy import closes a cycle all the same, only later). Importing
@@ -89,3 +89,16 @@ def test_the_cycle_finder_finds_one():
     assert cycles(edges) == [["atedevd.launch", "atedevd.metrics", "atedevd.launch"]]
     mods = {"atedevd.a": "/x/a.py", "atedevd.b": "/x/b.py"}
     assert cycles({"atedevd.a": set(), "atedevd.b": set()}) == [] and set(mods) == {"atedevd.a", "atedevd.b"}
+
+
+def test_no_class_is_over_400_lines():
+    """A class a newcomer can hold in their head (the registration machine was one of 835)."""
+    long = []
+    for name, path in modules().items():
+        if "_pb2" in name:
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        long += [f"{name}.{n.name}: {n.end_lineno - n.lineno + 1}" for n in ast.walk(tree)
+                 if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > 400]
+    assert long == []
