@@ -212,9 +212,12 @@ class Node:
         return self.stopping and all(r.stopped for r in self.resources.values())
 
     def deadline(self) -> Optional[float]:
-        times = [r.deadline for r in self.resources.values() if r.deadline is not None]
-        if self.pod_resources.deadline is not None:
-            times.append(self.pod_resources.deadline)
+        """When the loop must wake next for a timer (each machine's timers read once: the loop
+        asks after every wake-up)."""
+        times = [at for at in (r.deadline for r in self.resources.values()) if at is not None]
+        at = self.pod_resources.deadline
+        if at is not None:
+            times.append(at)
         return min(times) if times else None
 
     def registers_sent(self) -> bool:

@@ -48,14 +48,17 @@ def test_an_instance_is_only_its_tuple():
 
 
 @pytest.mark.parametrize("make, words", [
-    (lambda: Pair(), "missing 'sid'"),
-    (lambda: Pair(1, "x", 3), "takes 2 values, 3 given"),
-    (lambda: Pair(1, other=2), "no field 'other'"),
-    (lambda: Pair(1, sid=2), "no field 'sid' (or got it twice)"),
+    (lambda: Pair(), "missing 1 required positional argument: 'sid'"),
+    (lambda: Pair(1, "x", 3), "takes from 2 to 3 positional arguments but 4 were given"),
+    (lambda: Pair(1, other=2), "got an unexpected keyword argument 'other'"),
+    (lambda: Pair(1, sid=2), "got multiple values for argument 'sid'"),
+    (lambda: Empty(1), "takes 1 positional argument but 2 were given"),
 ])
 def test_a_wrong_call_names_the_problem(make, words):
-    with pytest.raises(TypeError, match=words.replace("(", r"\(").replace(")", r"\)")):
+    """Python checks the call itself: `__new__` has the fields as its parameters."""
+    with pytest.raises(TypeError) as e:
         make()
+    assert words in str(e.value)
 
 
 def test_a_default_before_a_field_without_one_is_refused_when_defined():
