@@ -2,11 +2,11 @@
 
 The registration machine's events and actions and the upgrade's messages are some forty
 small classes, all defined on the way to the first Register. `typing.NamedTuple` builds
-each by generating source and exec'ing it, about 45 µs a class on Debian 12's Python
-3.11 (1.9 ms for the registration's messages alone); a `Record` class costs a few µs.
+each by generating source and exec'ing it, about 40 µs a class on Debian 12's Python
+3.11 (1.9 ms for the registration's messages alone); a `Record` class about 8.
 Its `__new__` is a template for its number of fields, its parameters renamed to the
 class's fields (`CodeType.replace`), so a call is checked by Python itself, by position or
-by keyword, and costs what a NamedTuple's does (the simulation makes ~3,000 a round).
+by keyword, and costs what a NamedTuple's does (the simulation makes ~1,300 a round).
 Instances behave as NamedTuple's do where this package uses them: fields by name and by
 position, defaults, keywords, `_replace`, `_asdict`, equality and hashing of a tuple, a
 readable repr. Every value type of the package is one.
