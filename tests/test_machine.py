@@ -135,6 +135,38 @@ def test_a_bind_that_fails_for_a_socket_closed_meanwhile_is_moot():
     assert reg.tally.serve_error is None
 
 
+def test_a_standby_that_cannot_be_bound_leaves_the_registered_socket_serving():
+    """Found by CI (tests/test_faults.py, the plugin directory made read-only right after the
+    registration, on a busy machine): the next standby's bind came after the remount, failed
+    with EROFS, and was taken for "cannot serve": every socket closed, the registered one too."""
+    reg = Registration(RESOURCE, 4)
+    reg.handle(0.0, m.Serve(True, -60))
+    ask = first(reg.take(), m.AskPodResources)
+    reg.handle(0.0, m.Bound(1))
+    reg.handle(0.0, m.Listed(ask.cid, Listing.LISTED, 0))
+    reg.handle(0.0, m.Placed(1))
+    reg.handle(0.0, m.RegisterDone(first(reg.take(), m.SendRegister).cid, Outcome.OK))
+    reg.handle(0.0, m.StreamOpened(1))
+    reg.handle(0.0, m.ListSent(1))
+    reg.handle_timer(0.0)
+    standby = first(reg.take(), m.Bind).sid
+    said = []
+    for n in range(3):  # it fails, is tried again later, fails again: said once
+        reg.handle(1.0 + n, m.Bound(standby, f"on /x/{standby}.sock: Read-only file system"))
+        acts = reg.take()
+        assert not [a for a in acts if isinstance(a, m.CloseSocket) and a.sid == 1]
+        said += [a for a in acts if isinstance(a, m.Say)]
+        assert reg.state is State.REGISTERED and reg.book.current == 1 and reg.tally.serve_error is None
+        at = reg.deadlines()[m.Timer.STANDBY]
+        assert at is not None and at - (1.0 + n) >= machine_module.STANDBY_AGAIN_S - 1e-9
+        reg.handle_timer(at)
+        standby = first([a for a in reg.take() if not isinstance(a, m.AskPodResources)], m.Bind).sid
+    assert [(a.level, a.kind) for a in said] == [(machine_module.WARNING, "standby-failed")], said
+    assert "Read-only file system" in said[0].text and "the registered one serves on" in said[0].text
+    reg.handle(9.0, m.Bound(standby))  # it can be bound again: a later failure is said again
+    assert reg.tally.standby_error is None
+
+
 def test_a_move_not_in_the_table_is_refused():
     reg = Registration(RESOURCE, 4)
     with pytest.raises(InvalidTransition, match="unserved -> registered"):

@@ -270,13 +270,19 @@ class Registration:
         if not self.book.has(e.sid):
             return  # closed since it was asked for: moot, whatever became of it
         if e.error is not None:
+            if e.sid == self.book.standby and self.book.current is not None:
+                # only the spare for the next registration: the registered socket serves on
+                self.book.close(e.sid)
+                self.book.standby_at(now + STANDBY_AGAIN_S)
+                self.tally.standby_failed(e.error)
+                return
             self.moves.serve_error(now, e.error)
             return
         self.book.bound(e.sid)
         if e.sid == self.book.placing:
             self.moves.placed(now, e.sid)
         elif e.sid == self.book.standby:
-            self.tally.serve_error = None
+            self.tally.serve_error = self.tally.standby_error = None
             if self.moves.state is State.WAITING and self.book.current is None:
                 self.moves.try_start(now)
 

@@ -30,6 +30,7 @@ class Tally:
         self.last_error: Optional[str] = None
         self.failing_since: Optional[float] = None
         self.serve_error: Optional[str] = None
+        self.standby_error: Optional[str] = None  # the next registration's socket cannot be bound
         self.last_reregistration: Optional[Tuple[float, float]] = None  # (at, seconds taken)
         self.refused_streams = 0
         self._refused_said_at: Optional[float] = None
@@ -83,6 +84,14 @@ class Tally:
         if self.serve_error is None:
             self._out.append(Say(logging.ERROR, "serve-failed", text))
         self.serve_error = text
+
+    def standby_failed(self, error: str) -> None:
+        """The socket for the next registration cannot be bound; the registered one serves on
+        (retried: said once, until one is bound)."""
+        if self.standby_error is None:
+            self._say(logging.WARNING, "standby-failed", f"cannot bind the socket for the next registration "
+                      f"{error}; the registered one serves on, binding is tried again")
+        self.standby_error = error
 
     def stream_refused(self, now: float, where: str, limit: int) -> None:
         self.refused_streams += 1
