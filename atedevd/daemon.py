@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 WARNING, INFO, DEBUG = logging.WARNING, logging.INFO, logging.DEBUG
 OVERFLOW_SAY_EVERY_S = 60.0
 START_WORK_LATEST_S = 0.5  # the start's deferred work waits for the first Registers this long at most
+EXIT_STATUS_WAIT_S = 0.1  # a successor that hung up before it forked: its exit status is read within this (it names the failure)
 
 
 class Daemon:
@@ -314,7 +315,8 @@ class Daemon:
         now = time.monotonic()
         for message in messages:
             if self.predecessor is not None:
-                gone = self.child.ended()  # (it may have died since it spoke)
+                # (it may have died since it spoke; once it hung up, its status is a moment away)
+                gone = self.child.ended(EXIT_STATUS_WAIT_S if message is None else 0.0)
                 if message is None or gone:
                     self.child.hang_up()
                     self.predecessor.exited(now, gone or "closed its end of the channel")

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from atedevd.handoff import Message
@@ -99,9 +100,12 @@ class Child:
     def _told_pid(self, pid: int) -> None:
         self.pid = pid
 
-    def ended(self) -> Optional[str]:
-        """How it ended, in words, once we know (None while it runs); reaps the spawned process."""
-        if self.spawned is not None:
+    def ended(self, wait_s: float = 0.0) -> Optional[str]:
+        """How it ended, in words, once we know (None while it runs); reaps the spawned process.
+        `wait_s`: how long to wait for it to be reaped, once it closed its end of the channel
+        (it is exiting: the kernel closes a process's descriptors before its status can be read)."""
+        give_up = time.monotonic() + wait_s
+        while self.spawned is not None:
             try:
                 pid, status = os.waitpid(self.spawned, os.WNOHANG)
             except ChildProcessError:
@@ -110,6 +114,10 @@ class Child:
                 self.spawned = None
                 if self.pid is None and self.status is None and status != 0:  # it never forked the successor
                     self.status = _said(status)
+            elif time.monotonic() < give_up:
+                time.sleep(0.001)
+            else:
+                break
         return self.status
 
     def terminate(self) -> None:

@@ -11,6 +11,7 @@ exit. A successor that fails at any step leaves us serving, registered, with one
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 
@@ -181,3 +182,26 @@ def test_the_running_daemon_imports_nothing_from_disk_once_started(start_daemon,
     os.kill(int(main["fields"]["MAINPID"]), signal.SIGTERM)
     old = [line for line in d.log().splitlines() if f"IMPORTED AFTER START by {d.pid}:" in line]
     assert not old, "\n".join(old)  # (the successor's own imports, of the new code, are its business)
+
+
+def test_a_successor_that_hung_up_before_it_forked_is_named_by_its_exit_status():
+    """Found by CI: a successor that exits at start closes the channel a moment before its
+    status can be read (the kernel closes a process's descriptors first); the failure was
+    then "closed its end of the channel" instead of "exited with status 3"."""
+    from atedevd import upgrade
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:  # the successor before its fork: hangs up, then takes a while to exit
+        ours.close()
+        theirs.close()
+        time.sleep(0.3)
+        os._exit(3)
+    theirs.close()
+    child = upgrade.Child.__new__(upgrade.Child)  # its process and channel, made by hand
+    child.spawned, child.pid, child.status, child.channel = pid, None, None, ours
+    ours.settimeout(5)
+    assert ours.recv(64) == b""  # hung up
+    assert child.ended() is None  # still exiting: its status is not there yet
+    assert child.ended(wait_s=2.0) == "exited with status 3" and child.spawned is None
+    ours.close()
