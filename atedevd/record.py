@@ -1,72 +1,67 @@
 """Typed values that are cheap to define: a tuple whose fields are its class's annotations.
 
-The registration machine's events and actions and the upgrade's messages are some forty
-small classes, all defined on the way to the first Register. `typing.NamedTuple` builds
-each by generating source and exec'ing it, about 40 µs a class on Debian 12's Python
-3.11 (1.9 ms for the registration's messages alone); a `Record` class about 8.
-Its `__new__` is a template for its number of fields, its parameters renamed to the
-class's fields (`CodeType.replace`), so a call is checked by Python itself, by position or
-by keyword, and costs what a NamedTuple's does (the simulation makes ~1,300 a round).
-Instances behave as NamedTuple's do where this package uses them: fields by name and by
-position, defaults, keywords, `_replace`, `_asdict`, equality and hashing of a tuple, a
-readable repr. Every value type of the package is one.
+The registration machine's events and actions, the upgrade's messages and every table
+row are some sixty small classes, all defined on the way to the first Register. A
+frozen dataclass costs about 0.3 ms a class to define on Debian 12's Python 3.11 (it
+execs five generated methods), `typing.NamedTuple` about 40 µs; a `Record` about 15,
+for one exec'd `__new__` whose parameters are the fields, so a call is checked by
+Python itself, by position or by keyword (`docs/design.md`, "Values", has the figures).
+
+A Record compares and hashes by its type and its fields: `EndStreams(1) != CloseSocket(1)`,
+and neither equals the plain tuple `(1,)`. Fields are read by name (and by position: it is
+a tuple), with defaults, keywords, `_replace`, `_asdict` and a readable repr. Type checkers
+see each class's constructor through `dataclass_transform` (PEP 681).
 """
 
 import operator
-import types
-from typing import Any, Dict, Tuple
+import sys
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Tuple, TypeVar
+
+if TYPE_CHECKING:
+    from typing_extensions import dataclass_transform
+else:
+    def dataclass_transform(**_: Any):  # only type checkers read it
+        return lambda cls: cls
 
 _tuple_new = tuple.__new__
+_tuple_eq = tuple.__eq__
+_tuple_hash = tuple.__hash__
+_R = TypeVar("_R", bound="Record")
 
 
-# `__new__` for n fields, written out to n = 8 (compiled with the module: a start execs none)
-def _new0(_cls): return _tuple_new(_cls, ())  # noqa: E704
-def _new1(_cls, _0): return _tuple_new(_cls, (_0,))  # noqa: E704
-def _new2(_cls, _0, _1): return _tuple_new(_cls, (_0, _1))  # noqa: E704
-def _new3(_cls, _0, _1, _2): return _tuple_new(_cls, (_0, _1, _2))  # noqa: E704
-def _new4(_cls, _0, _1, _2, _3): return _tuple_new(_cls, (_0, _1, _2, _3))  # noqa: E704
-def _new5(_cls, _0, _1, _2, _3, _4): return _tuple_new(_cls, (_0, _1, _2, _3, _4))  # noqa: E704
-def _new6(_cls, _0, _1, _2, _3, _4, _5): return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5))  # noqa: E704
-def _new7(_cls, _0, _1, _2, _3, _4, _5, _6): return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6))  # noqa: E704
-def _new8(_cls, _0, _1, _2, _3, _4, _5, _6, _7): return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6, _7))  # noqa: E704
+def _own_fields(cls: type) -> Tuple[str, ...]:
+    """The names annotated in the class body itself, in order (Python 3.9 would hand a class
+    without annotations its base's)."""
+    if sys.version_info < (3, 10):
+        return tuple(cls.__dict__.get("__annotations__", {}))
+    return tuple(cls.__annotations__)  # its own (3.14 evaluates them lazily, on this read)
 
 
-_TEMPLATES: Dict[int, types.CodeType] = {n: f.__code__ for n, f in enumerate(
-    (_new0, _new1, _new2, _new3, _new4, _new5, _new6, _new7, _new8))}
-
-
-def _template(n: int) -> types.CodeType:
-    """The code of `__new__` for n fields: written out above, or made once for a larger n."""
-    code = _TEMPLATES.get(n)
-    if code is None:
-        names = "".join(f", _{i}" for i in range(n))
-        made: Dict[str, Any] = {}
-        exec(f"def __new__(_cls{names}): return _tuple_new(_cls, ({names[2:]}))", globals(), made)
-        code = _TEMPLATES[n] = made["__new__"].__code__
-    return code
-
-
+@dataclass_transform(eq_default=True, frozen_default=True)
 class _RecordType(type):
     """Turns the annotated names of a class body into the tuple's fields."""
 
     def __new__(mcls, name: str, bases: Tuple[type, ...], namespace: Dict[str, Any]):
         namespace["__slots__"] = ()  # no per-instance dict: a tuple's size
         cls = super().__new__(mcls, name, bases, namespace)
-        # read from the class, not the namespace: Python 3.14 evaluates annotations lazily
-        fields = tuple(getattr(cls, "__annotations__", ()))
-        defaults = {f: namespace[f] for f in fields if f in namespace}
+        base = next((b for b in bases if isinstance(b, _RecordType)), None)
+        if base is None:
+            return cls  # Record itself
+        fields = base._fields + _own_fields(cls)  # a base's fields first
+        defaults = {**base._defaults, **{f: namespace[f] for f in fields if f in namespace}}
         required = len(fields) - len(defaults)
         if any(f not in defaults for f in fields[required:]):
             raise TypeError(f"{name}: a field without a default follows one with a default")
         for i, f in enumerate(fields):
             setattr(cls, f, property(operator.itemgetter(i), doc=f"field {i}: {f}"))
-        renamed = {"co_varnames": ("_cls",) + fields}
-        if hasattr(types.CodeType, "co_qualname"):  # Python >= 3.11 names it in a call's errors
-            renamed["co_qualname"] = f"{name}.__new__"
-        new = types.FunctionType(_template(len(fields)).replace(**renamed), globals(), "__new__",
-                                 tuple(defaults[f] for f in fields[required:]) or None)
+        params = "".join(f", {f}" for f in fields)
+        made: Dict[str, Any] = {}
+        exec(f"def __new__(_cls{params}): return _tuple_new(_cls, ({params[2:]}{',' if len(fields) == 1 else ''}))",
+             {"_tuple_new": _tuple_new}, made)
+        new = made["__new__"]
+        new.__defaults__ = tuple(defaults[f] for f in fields[required:]) or None
         new.__qualname__ = f"{name}.__new__"
-        cls.__new__ = staticmethod(new)
+        cls.__new__ = staticmethod(new)  # type: ignore[assignment]
         cls._fields = fields
         cls._defaults = defaults
         return cls
@@ -74,9 +69,22 @@ class _RecordType(type):
 
 class Record(tuple, metaclass=_RecordType):
     """Subclass it and annotate the fields (with defaults after the fields without); the
-    class then has `_fields`, the names in order, and `_defaults`, a name's default."""
+    class then has `_fields`, the names in order, and `_defaults`, a name's default. A
+    subclass of a Record class adds its fields after its base's."""
 
-    def _replace(self, **changes: Any) -> "Record":
+    _fields: ClassVar[Tuple[str, ...]] = ()
+    _defaults: ClassVar[Dict[str, Any]] = {}
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and _tuple_eq(self, other)  # type: ignore[arg-type]
+
+    def __ne__(self, other: object) -> bool:
+        return not (type(self) is type(other) and _tuple_eq(self, other))  # type: ignore[arg-type]
+
+    def __hash__(self) -> int:
+        return _tuple_hash(self) ^ hash(type(self))
+
+    def _replace(self: _R, **changes: Any) -> _R:
         """A copy with some fields changed."""
         return type(self)(**dict(zip(self._fields, self), **changes))
 

@@ -24,10 +24,10 @@ class Empty(Record):
 
 
 def test_fields_by_position_name_keyword_and_default():
-    assert Pair(1) == (1, None) and Pair(1, "x") == (1, "x")
-    assert Pair(sid=2).sid == 2 and Pair(3, error="e").error == "e" and Pair(error="q", sid=4) == (4, "q")
+    assert tuple(Pair(1)) == (1, None) and tuple(Pair(1, "x")) == (1, "x")
+    assert Pair(sid=2).sid == 2 and Pair(3, error="e").error == "e" and Pair(error="q", sid=4) == Pair(4, "q")
     assert Pair._fields == ("sid", "error") and Pair._defaults == {"error": None}
-    assert Empty() == () and Empty._fields == ()
+    assert tuple(Empty()) == () and Empty._fields == ()
     assert repr(Pair(1, "x")) == "Pair(sid=1, error='x')" and repr(Empty()) == "Empty()"
 
 
@@ -35,7 +35,7 @@ def test_replace_asdict_hash_copy_pickle():
     p = Pair(1, "x")
     assert p._replace(error="y") == Pair(1, "y") and type(p._replace(sid=2)) is Pair
     assert p._asdict() == {"sid": 1, "error": "x"}
-    assert hash(p) == hash((1, "x")) and {p: 1}[Pair(1, "x")] == 1
+    assert hash(p) == hash(Pair(1, "x")) and {p: 1}[Pair(1, "x")] == 1
     assert copy.deepcopy(p) == p and type(pickle.loads(pickle.dumps(p))) is Pair
 
 
@@ -45,6 +45,35 @@ def test_an_instance_is_only_its_tuple():
     assert not hasattr(Pair(1), "__dict__")
     with pytest.raises(AttributeError):
         Pair(1).sid = 2
+
+
+class Other(Record):
+    """Another test value, with Pair's shape."""
+
+    sid: int
+    error: Optional[str] = None
+
+
+def test_values_compare_and_hash_by_type_and_fields():
+    """Two actions with the same fields are two different actions: a test that compares action
+    lists must fail on the wrong one, and a dict keyed by values must keep both."""
+    assert Pair(1) != Other(1) and not (Pair(1) == Other(1))
+    assert Pair(1) != (1, None) and (1, None) != Pair(1)
+    assert Empty() != () and Empty() == Empty()
+    assert len({Pair(1): "a", Other(1): "b"}) == 2
+    assert Pair(1) == Pair(1, None) and not (Pair(1) != Pair(1))
+
+
+class Child(Pair):
+    """Adds a field after Pair's."""
+
+    extra: int = 0
+
+
+def test_a_subclass_adds_its_fields_after_its_bases():
+    c = Child(1, "x", 2)
+    assert c._fields == ("sid", "error", "extra") and (c.sid, c.error, c.extra) == (1, "x", 2)
+    assert Child(1) != Pair(1) and Child(sid=1)._defaults == {"error": None, "extra": 0}
 
 
 @pytest.mark.parametrize("make, words", [
