@@ -1,11 +1,14 @@
-"""The control loop: the single owner of state, dispatching events.
+"""The control loop and the process: the single owner of state, dispatching events.
 
-Inputs are inotify events (plugin directory and device directories),
-signals, timers and callables posted by gRPC threads (a call finished, a
-stream opened or ended). The loop hands them to the `Node` (atedevd/node.py),
-which tells each `Resource` what happened; registration decisions live in
-`atedevd/registration/` (no I/O). What stays here is the process: the loop,
-signals, systemd, the configuration's reload and the metrics file.
+Inputs are inotify events (plugin directory and device directories), signals,
+timers, callables posted by gRPC threads (a call finished, a stream opened or
+ended), kubelet's hang-ups of connections counted in a let-go wait, and an
+upgrade's channel. The loop hands them to the `Process` (atedevd/process.py), the
+glue the simulation runs too, which tells the `Node` and the upgrade's machines
+and says what the process must do; registration decisions live in
+`atedevd/registration/` (no I/O). What stays here is the I/O of the process: the
+loop, signals, sd_notify, the configuration's reload, the upgrade's successor and
+channel, and the metrics file.
 """
 
 import gc
@@ -13,28 +16,26 @@ import logging
 import math
 import os
 import queue
-import re
 import select
 import signal
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
-from atedevd import devices, handoff, instance, metrics, sockets, upgrade
+from atedevd import devices, handoff, instance, metrics, sandbox, sockets, upgrade
 from atedevd.config import Config, ConfigError, load
 from atedevd.host import Host
 from atedevd.kubelet import warm_up
 from atedevd.node import Node
 from atedevd.plugin import Workers
-from atedevd.registration.report import Report, describe
+from atedevd.process import Process, ProcessAction, Ready, ServingBegan, StartWork, Status, WriteMetrics
+from atedevd.registration.messages import Say
 from atedevd.systemd import Notifier, event, set_level
 from atedevd.watch import Watcher
 
 log = logging.getLogger(__name__)
 
-WARNING, INFO, DEBUG = logging.WARNING, logging.INFO, logging.DEBUG
-OVERFLOW_SAY_EVERY_S = 60.0
-START_WORK_LATEST_S = 0.5  # the start's deferred work waits for the first Registers this long at most
-EXIT_STATUS_WAIT_S = 0.1  # a successor that hung up before it forked: its exit status is read within this (it names the failure)
+WARNING, INFO = logging.WARNING, logging.INFO
+_HANGUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 
 
 class Daemon:
@@ -45,29 +46,24 @@ class Daemon:
         self.config_required = config_required
         self.overrides = overrides
         self.lock_fd = lock_fd  # the instance lock (a successor inherits it)
-        # An upgrade (atedevd/handoff.py): as a successor, `parent` is the daemon we take over
-        # from; as a predecessor, `child` is the one we hand over to.
-        self.parent, self.successor = parent, handoff.Successor() if parent else None
-        self.child: Optional[upgrade.Child] = None
-        self.predecessor: Optional[handoff.Predecessor] = None
+        self.peers = upgrade.Peers(parent)  # an upgrade's other process: our successor, or our predecessor
         self._installed: Optional[tuple] = None  # the package's files as they were once started
         self._handed_over = False  # our successor is main: exit without a last word
         self.notifier = Notifier(quiet=parent is not None)  # a successor speaks to systemd once main
-        self.reload_error: Optional[str] = None
-        self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
-        self._start_work_due: Optional[float] = None
+        self.inbox = Inbox()  # what gRPC threads hand to the loop
         self.exit_code = 0
-        self._plugin_dir_was_mount = False  # under systemd, ReadWritePaths= binds it
-        self._overflow_said: Optional[float] = None
+        self._bind = sandbox.PluginDirBind(cfg.device_plugin_dir)
         # No thread before the first Registers (each Register starts what kubelet's calls after
-        # it need, Workers.registering); the rest of the pool once they are sent (_start_work).
+        # it need, Workers.registering); the rest of the pool once they are sent (StartWork).
         self._workers = Workers(len(cfg.devices), start_now=0)
         self.metrics = metrics.TextfileWriter(None if parent else metrics.resolve_dir(cfg.metrics_dir))
         self._run_id = sockets.new_run_id()
-        self.host = Host(cfg.device_plugin_dir, self._workers, self._post)
-        self.node = Node(cfg.device_plugin_dir, cfg.dev_root, cfg.sys_root, self.host, self._run_id, self._serve_failed)
+        self.host = Host(cfg.device_plugin_dir, self._workers, self.inbox.post)
+        node = Node(cfg.device_plugin_dir, cfg.dev_root, cfg.sys_root, self.host, self._run_id, self._serve_failed)
         if parent is not None:  # serve, but register once the predecessor says so
-            self.node.held, self.node.inherited = True, parent.inherited
+            node.held, node.inherited = True, parent.inherited
+        self.process = Process(node, successor=parent is not None)
+        self.node = node
 
     # --- life cycle -----------------------------------------------------------
 
@@ -75,7 +71,6 @@ class Daemon:
         """Serve until SIGTERM/SIGINT; the caller has taken the instance lock."""
         os.umask(0o077)  # our sockets: owner only
         self._watcher = Watcher()
-        self._wake_r, self._wake_w = _pipe()
         self._sig_r, sig_w = _pipe()
         signal.set_wakeup_fd(sig_w)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -84,71 +79,59 @@ class Daemon:
         self._apply(self.cfg, first=True)
         self._info = metrics.DaemonInfo.current()
         self._wall_offset = metrics.WallOffset()
-        self.notifier.ready(self._status())
-        event(INFO, "started", f"atedevd serving {self._summary()} in {self.cfg.device_plugin_dir}")
-        self._start_work_due = time.monotonic() + START_WORK_LATEST_S
+        self.notifier.ready(self.process.status())
+        event(INFO, "started", f"atedevd serving {self.process.summary()} in {self.cfg.device_plugin_dir}")
+        self.process.started(time.monotonic())
         try:
-            if self.successor is not None and self.node.kubelet.serving:
+            if self.peers.parent is not None and self.node.kubelet.serving:
                 warm_up(self.cfg.device_plugin_dir)  # held: the Register on GO need not pay for grpc's first channel
-            self._upgrade_steps(time.monotonic())  # a successor's sockets are bound: ready, before the loop's first wait
+            self._perform(self.process.wake(time.monotonic()))  # a successor's sockets are bound: ready, before the first wait
             self._loop()
         finally:
             self._shutdown()
         return self.exit_code
 
     def _loop(self) -> None:
-        poller = select.poll()
-        base = (self._watcher.fileno(), self._wake_r, self._sig_r)
-        for fd in base:
-            poller.register(fd, select.POLLIN)
-        talk: Optional[int] = None  # the upgrade's channel, while there is one
         next_watchdog = time.monotonic()
-        while not self.node.stopped:
-            other = self._other_side()
-            if (other.fileno() if other is not None else None) != talk:
-                if talk is not None:
-                    poller.unregister(talk)
-                talk = other.fileno() if other is not None else None
-                if talk is not None:
-                    poller.register(talk, select.POLLIN)
-            fds = base + ((talk,) if talk is not None else ())
+        while not self.process.stopped:
+            other = self.peers.talking()
+            talk = other.fileno() if other is not None else None
+            watched = self.host.watched_fds()
+            fds = [self._watcher.fileno(), self.inbox.fileno(), self._sig_r] + ([talk] if talk is not None else [])
             now = time.monotonic()
             if self.notifier.watchdog_interval and now >= next_watchdog:
                 self.notifier.watchdog()
                 next_watchdog = now + self.notifier.watchdog_interval
-            deadlines = [self.node.deadline(), self._start_work_due,
-                         self.predecessor.deadline if self.predecessor is not None else None,
-                         self._watcher.poll_deadline(),  # directories inotify could not watch are polled
+            deadlines = [self.process.deadline(), self._watcher.poll_deadline(),  # directories inotify could not watch are polled
                          next_watchdog if self.notifier.watchdog_interval else None, self.metrics.deadline()]
             deadlines = [d for d in deadlines if d is not None]
-            wait = None if not deadlines else min(deadlines) - now
-            for fd in _wait(poller, fds, wait):
+            for fd in _wait(fds, watched, None if not deadlines else min(deadlines) - now):
                 if fd == self._sig_r:
                     self._on_signals(os.read(fd, 64))
-                elif fd == self._wake_r:
-                    os.read(fd, 4096)
-                    self._drain_inbox()
+                elif fd == self.inbox.fileno():
+                    self.inbox.run()
                 elif fd == talk:
-                    self._on_talk(other.receive())
+                    for message, gone in self.peers.heard():
+                        self.process.heard(time.monotonic(), message, gone)
+                elif fd in watched:
+                    self.host.hung_up(fd)  # its let-go wait counts again (posted: the inbox is read next time)
                 else:
-                    self._on_fs_events(self._watcher.read())
+                    self.node.on_directory_events(self._watcher.read(), time.monotonic())
             poll_at = self._watcher.poll_deadline()
             if poll_at is not None and time.monotonic() >= poll_at:
-                self._on_fs_events(self._watcher.read())
-            now = time.monotonic()
-            if self.node.wake(now):  # a resource began to be served: is its directory our sandbox's bind?
-                self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
-            if self._start_work_due is not None and (
-                    now >= self._start_work_due or self.node.stopping or self.node.registers_sent()):
-                self._start_work()
-            self._upgrade_steps(now)
-            self.notifier.status(self._status())
-            self._write_metrics()
+                self.node.on_directory_events(self._watcher.read(), time.monotonic())
+            self._perform(self.process.wake(time.monotonic()))
+            if self.metrics.deadline() is not None and time.monotonic() >= self.metrics.deadline():
+                self._write_metrics()  # a change held back by the interval, or the refresh
 
-    def _start_work(self) -> None:
+    def _perform(self, actions: List[ProcessAction]) -> None:
+        self.peers.reap()
+        for a in actions:
+            _DO[type(a)](self, a)
+
+    def _start_work(self, a: StartWork) -> None:
         """What a start can do once every resource's first Register is on its way (the
         first one waits for pod-resources' answer, which comes through the loop)."""
-        self._start_work_due = None
         gc.freeze()  # what the start made lives as long as the process: no collection looks at it again
         gc.enable()  # off since launch.main, for the start's imports
         log.debug("start-up done: cycle collection on, %d objects of the start frozen", gc.get_freeze_count())
@@ -166,7 +149,7 @@ class Daemon:
 
     def _shutdown(self) -> None:
         if self._handed_over:
-            event(INFO, "stopping", f"handed over to the new atedevd (pid {self.child.pid}); removing our sockets")
+            event(INFO, "stopping", f"handed over to the new atedevd (pid {self.peers.child.pid}); removing our sockets")
         else:
             event(INFO, "stopping", "stopping: removing our sockets")
         self.node.close(time.monotonic())
@@ -177,71 +160,33 @@ class Daemon:
 
     def _begin_stop(self) -> None:
         """End our streams; the loop runs on until kubelet has let go of them (bounded)."""
-        if self.node.stopping:
-            return
-        self.notifier.stopping()
-        if self.child is not None and self.predecessor is not None and self.predecessor.phase is not handoff.Phase.DONE:
-            self.child.terminate()  # an upgrade under way: the new one stops too
-        self.node.begin_stop(time.monotonic())
+        if not self.node.stopping:
+            self.notifier.stopping()
+        self.process.stop(time.monotonic())
 
     # --- inputs ---------------------------------------------------------------
-
-    def _post(self, call: Callable[[], None]) -> None:
-        """Called from gRPC threads: hand a callable to the loop and wake it."""
-        self._inbox.put(call)
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # the loop is already due to wake
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                call = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            call()
 
     def _on_signals(self, signums: bytes) -> None:
         for signum in signums:
             if signum in (signal.SIGTERM, signal.SIGINT):
                 self._begin_stop()
-            elif signum == signal.SIGHUP and not self.node.stopping and self._upgrading() is None:
+            elif signum == signal.SIGHUP and not self.node.stopping and self.process.upgrading is None:
                 self._reload()
-
-    def _on_fs_events(self, events) -> None:
-        if self.node.on_directory_events(events, time.monotonic()).overflowed:
-            self._overflowed()
-
-    def _overflowed(self) -> None:
-        """Said once a minute at most: the kernel dropped events (a burst in a watched directory)."""
-        now = time.monotonic()
-        if self._overflow_said is not None and now - self._overflow_said < OVERFLOW_SAY_EVERY_S:
-            return
-        self._overflow_said = now
-        try:
-            with open("/proc/sys/fs/inotify/max_queued_events") as f:
-                limit = f" (fs.inotify.max_queued_events is {f.read().strip()})"
-        except OSError:
-            limit = ""
-        event(WARNING, "inotify-overflow", f"the inotify queue overflowed{limit}: events were lost; re-checking kubelet.sock, our sockets and the devices")
 
     # --- serving --------------------------------------------------------------
 
     def _serve_failed(self, path: str, error: OSError) -> bool:
-        """A socket could not be bound. True when that means the daemon must restart."""
-        if not self._plugin_dir_replaced():
+        """A socket could not be bound. True when that means the daemon must restart (the
+        stop goes through the loop: the performer that asks is in the middle of its work)."""
+        if not self._bind.replaced():
             return False
         event(logging.ERROR, "plugin-dir-replaced", f"{self.cfg.device_plugin_dir} was replaced while atedevd ran and is read-only in its view (the sandbox bound the old one); exiting so that systemd restarts atedevd with a fresh view", socket=path)
-        self._begin_stop()
         self.exit_code = 1
+        self.inbox.post(self._begin_stop)
         return True
 
-    def _plugin_dir_replaced(self) -> bool:
-        """Our sandbox's writable bind of the plugin directory is gone (kubelet's
-        directory was deleted and made anew) and what is there now is read-only to us."""
-        path = self.cfg.device_plugin_dir
-        return self._plugin_dir_was_mount and not _is_mount_point(path) and not os.access(path, os.W_OK)
+    def _serving_began(self, a: ServingBegan) -> None:
+        self._bind.served()
 
     # --- configuration --------------------------------------------------------------
 
@@ -258,10 +203,9 @@ class Daemon:
             self._workers.grow(len(cfg.devices))
         now = time.monotonic()
         self.node.apply(cfg.devices, cfg.dev_root, cfg.sys_root, now)
-        dirs = [self.cfg.device_plugin_dir] + [p for d in cfg.devices for p in devices.directories(d, cfg.dev_root)]
-        self._watcher.want(dirs)
+        self._watcher.want([cfg.device_plugin_dir] + [p for d in cfg.devices for p in devices.directories(d, cfg.dev_root)])
         if self.node.reconcile(now):
-            self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
+            self._bind.served()
 
     def _reload(self) -> None:
         self.notifier.reloading()
@@ -271,162 +215,125 @@ class Daemon:
         try:
             cfg = load(self.config_path, required=self.config_required, overrides=self.overrides)
         except ConfigError as e:
-            self.reload_error = str(e).splitlines()[0]
+            self.process.reload_error = str(e).splitlines()[0]
             event(logging.ERROR, "reload-failed", f"reload failed; keeping the running configuration:\n{e}")
         else:
-            self.reload_error = None
+            self.process.reload_error = None
             self.node.accept_nodes()  # the checked configuration accepts the nodes there now
             self._apply(cfg)
-            event(INFO, "reloaded", f"configuration reloaded: {self._summary()}")
-        self.notifier.ready(self._status())
+            event(INFO, "reloaded", f"configuration reloaded: {self.process.summary()}")
+        self.notifier.ready(self.process.status())
 
     # --- an upgrade, handed to a warm successor (atedevd/handoff.py) --------------------------
 
-    def _upgrading(self) -> Optional[str]:
-        """Which side of an upgrade under way this daemon is on, if any."""
-        if self.predecessor is not None and not (self.predecessor.over and self.predecessor.phase is handoff.Phase.FAILED):
-            return "predecessor"
-        if self.successor is not None and self.parent is not None:
-            return "successor"
-        return None
-
-    def _other_side(self):
-        """The other process of an upgrade under way (its channel), if any."""
-        if self.child is not None and self.child.talking:
-            return self.child
-        return self.parent
-
     def _upgrade(self) -> None:
         """The installed atedevd is another: start it, and hand over to it once it is ready."""
-        now = time.monotonic()
         served = [r.name for r in self.node.resources.values() if r.advertised]
         try:
-            self.child = upgrade.Child(self.lock_fd, served)
+            self.peers.start_successor(self.lock_fd, served)
         except OSError as e:
             event(logging.ERROR, "upgrade", f"upgrade: cannot start the new atedevd: {e}; the running one serves on")
-            self.notifier.ready(self._status())
+            self.notifier.ready(self.process.status())
             return
         overlap = self.cfg.kubelet_endpoints == "per-socket"
         event(INFO, "upgrade", f"upgrade: the installed atedevd is not the one running; started it "
               f"to hand over to, {'beside us (kubelet tracks endpoints per socket)' if overlap else 'once kubelet has let go of us'}")
-        self.predecessor = handoff.Predecessor(overlap, now)
+        self.process.upgrade(time.monotonic(), overlap)
 
-    def _on_talk(self, messages) -> None:
-        now = time.monotonic()
-        for message in messages:
-            if self.predecessor is not None:
-                # (it may have died since it spoke; once it hung up, its status is a moment away)
-                gone = self.child.ended(EXIT_STATUS_WAIT_S if message is None else 0.0)
-                if message is None or gone:
-                    self.child.hang_up()
-                    self.predecessor.exited(now, gone or "closed its end of the channel")
-                    message = None
-                else:
-                    self.predecessor.received(now, message)
-            elif message is None:  # the predecessor exited (or died)
-                if self.successor is not None:
-                    self.successor.predecessor_gone()
-                self.parent.close()
-                self.parent = None
-            elif self.successor is not None:
-                self.successor.received(message)
-            self._upgrade_steps(now)
-            if message is None:
-                return
+    # --- the process's actions (atedevd/process.py) ------------------------------------------
 
-    def _upgrade_steps(self, now: float) -> None:
-        """What the upgrade's machines see of the node now, and what they ask for."""
-        p, s = self.predecessor, self.successor
-        if self.child is not None:
-            self.child.ended()  # reaped as soon as it has exited
-        handoff.observe(now, self.node, p, s)
-        for machine, perform in ((p, self._as_predecessor), (s, self._as_successor)):
-            for a in machine.take() if machine is not None else ():
-                handoff.to_node(now, self.node, a)
-                perform(a)
+    def _send(self, a: handoff.Send) -> None:
+        self.peers.send(a.message)
 
-    def _as_predecessor(self, a) -> None:
-        """The process's part of the predecessor's action (`handoff.to_node` did the node's)."""
-        if isinstance(a, handoff.Send):
-            self.child.send(a.message)
-        elif isinstance(a, handoff.Stop):
-            if a.kill:
-                self.child.kill()
-            else:
-                self.child.terminate()  # it lets go of what it registered; its exit ends the talk
-        elif isinstance(a, handoff.TakeBack):
-            self.notifier.ready(self._status())  # the reload is over: we serve on
-        elif isinstance(a, handoff.MainPid):
-            self.notifier.hand_over(self.child.pid)
-        elif isinstance(a, handoff.Exit):
-            self._handed_over = True  # no STOPPING=1: the unit goes on, with the new main process
-            self.metrics = metrics.TextfileWriter(None)  # the successor's now
-        elif isinstance(a, handoff.Say):
-            event(a.level, "upgrade", a.text)
+    def _stop_successor(self, a: handoff.StopSuccessor) -> None:
+        self.peers.stop_successor(a.kill)
 
-    def _as_successor(self, a) -> None:
-        if isinstance(a, handoff.Send):
-            self.parent.send(a.message)
-        elif isinstance(a, handoff.BecomeMain):
-            instance.adopt(self.lock_fd)
-            self.notifier.become_main()
-            self.notifier.ready(self._status())
-            self.metrics = metrics.TextfileWriter(metrics.resolve_dir(self.cfg.metrics_dir))
-            self.successor = None
-            event(INFO, "upgraded", f"took over as systemd's main process: atedevd serving {self._summary()}")
+    def _main_pid(self, a: handoff.MainPid) -> None:
+        self.notifier.hand_over(self.peers.child.pid)
 
-    # --- reporting ------------------------------------------------------------------
+    def _exit(self, a: handoff.Exit) -> None:
+        self._handed_over = True  # no STOPPING=1: the unit goes on, with the new main process
+        self.metrics = metrics.TextfileWriter(None)  # the successor's now
 
-    def _write_metrics(self, force: bool = False) -> None:
+    def _become_main(self, a: handoff.BecomeMain) -> None:
+        instance.adopt(self.lock_fd)
+        self.notifier.become_main()
+        self.notifier.ready(self.process.status())
+        self.metrics = metrics.TextfileWriter(metrics.resolve_dir(self.cfg.metrics_dir))
+        event(INFO, "upgraded", f"took over as systemd's main process: atedevd serving {self.process.summary()}")
+
+    def _say(self, a: Say) -> None:
+        event(a.level, a.kind, a.text)
+
+    def _ready(self, a: Ready) -> None:
+        self.notifier.ready(self.process.status())
+
+    def _status(self, a: Status) -> None:
+        self.notifier.status(a.text)
+
+    def _write_metrics(self, a: Optional[WriteMetrics] = None, force: bool = False) -> None:
         """atedevd.prom, when it changed or is due (rendered at most once a second)."""
         self.metrics.update(self._render_metrics, time.monotonic(), force=force)
 
     def _render_metrics(self) -> str:
         return metrics.render(self._info, self.node.reports(), polling=self._watcher.poll_deadline() is not None,
-                              reload_ok=self.reload_error is None, wall_offset=self._wall_offset.current())
-
-    def _summary(self) -> str:
-        return ", ".join(f"{r.name} ({r.device.path})" for r in self.node.resources.values()) or "no devices"
-
-    def _status(self) -> str:
-        parts: List[str] = []
-        if self.reload_error:
-            parts.append(f"reload failed, running previous config: {self.reload_error}")
-        dir_ok = os.path.isdir(self.cfg.device_plugin_dir)
-        now, wall = time.monotonic(), time.time()
-        for r in self.node.reports():
-            parts.append(f"{r.name}: {self._describe(r, dir_ok, now, wall)}")
-        return "; ".join(parts) or "no devices configured"
-
-    def _describe(self, r: Report, dir_ok: bool, now: float, wall: float) -> str:
-        if not r.advertised:
-            return f"no node matches {r.device_path}, not advertised" if r.pattern else \
-                f"{r.device_path} missing, not advertised"
-        if not dir_ok:
-            return f"waiting for {self.cfg.device_plugin_dir}"
-        return describe(r, now, wall)
+                              reload_ok=self.process.reload_error is None, wall_offset=self._wall_offset.current())
 
 
-def _wait(poller: "select.poll", fds: Tuple[int, ...], wait: Optional[float]) -> List[int]:
-    """The fds readable within `wait` seconds (None: until one is). Slept, never spun for (a
-    busy loop would take the CPU from the kubelet we wait for): poll() counts whole
-    milliseconds, so a shorter wait (the retries while kubelet.sock is not yet listened on,
-    a quarter of a millisecond apart) is select()'s, which counts microseconds."""
-    if wait is not None and 0 < wait < 0.001 and max(fds) < 1024:  # FD_SETSIZE
+_DO: Dict[type, Callable[[Daemon, ProcessAction], None]] = {  # type: ignore[dict-item]
+    StartWork: Daemon._start_work, Status: Daemon._status, Ready: Daemon._ready, WriteMetrics: Daemon._write_metrics,
+    ServingBegan: Daemon._serving_began, handoff.Send: Daemon._send, handoff.StopSuccessor: Daemon._stop_successor,
+    handoff.MainPid: Daemon._main_pid, handoff.Exit: Daemon._exit, handoff.BecomeMain: Daemon._become_main,
+    Say: Daemon._say,
+}
+
+
+class Inbox:
+    """Callables handed to the loop by gRPC threads (or by the loop, for its next turn), and
+    the pipe that wakes it."""
+
+    def __init__(self) -> None:
+        self._calls: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._r, self._w = _pipe()
+
+    def fileno(self) -> int:
+        return self._r
+
+    def post(self, call: Callable[[], None]) -> None:
+        self._calls.put(call)
+        try:
+            os.write(self._w, b"x")
+        except BlockingIOError:
+            pass  # the loop is already due to wake
+
+    def run(self) -> None:
+        """On the loop: every callable handed in so far."""
+        try:
+            os.read(self._r, 4096)
+        except BlockingIOError:
+            pass  # (the pipe is read only to empty it)
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            call()
+
+
+def _wait(fds: List[int], hangups: List[int], wait: Optional[float]) -> List[int]:
+    """The fds readable (or, of `hangups`, hung up by their peer) within `wait` seconds
+    (None: until one is). Slept, never spun for (a busy loop would take the CPU from the
+    kubelet we wait for): poll() counts whole milliseconds, so a shorter wait (the retries
+    while kubelet.sock is not yet listened on, a quarter of a millisecond apart) is
+    select()'s, which counts microseconds (and cannot tell a hang-up from data to read)."""
+    if wait is not None and 0 < wait < 0.001 and max(fds) < 1024:  # FD_SETSIZE; hang-ups wait for the next poll
         return select.select(fds, [], [], wait)[0]
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    for fd in hangups:
+        poller.register(fd, _HANGUP)
     return [fd for fd, _ in poller.poll(None if wait is None else max(0, math.ceil(wait * 1000)))]
-
-
-def _is_mount_point(path: str) -> bool:
-    """From /proc/self/mountinfo: a bind mount on the same filesystem is invisible to os.path.ismount."""
-    target = os.fsencode(os.path.abspath(path))
-    try:
-        with open("/proc/self/mountinfo", "rb") as f:
-            mount_points = [line.split(b" ")[4] for line in f]
-    except (OSError, IndexError):
-        return False
-    unescape = lambda m: bytes([int(m.group(1), 8)])  # noqa: E731 - "\040" is a space
-    return any(re.sub(rb"\\([0-7]{3})", unescape, mp) == target for mp in mount_points)
 
 
 def _pipe() -> Tuple[int, int]:

@@ -15,14 +15,16 @@ says why: a broken upgrade never leaves the node without the resource.
 
 `Predecessor` and `Successor` are the two machines; they exchange `Message`s over a
 channel the caller provides (a socket pair in the daemon, world events in the
-simulation), and ask for what they need done as actions.
+simulation), and ask for what they need done as actions, which `atedevd/process.py`
+carries to the node and to the process.
 """
 
 import enum
 import logging
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from atedevd.record import Record
+from atedevd.registration.messages import HandOff, RegisterAgain, Release, Say, TakeBack
 
 READY_LIMIT_S = 30.0  # the successor imports, reads the configuration and binds its sockets by then
 LET_GO_LIMIT_S = 10.0  # kubelet lets go of our ended streams by then (the handover's own limit is 5 s)
@@ -40,7 +42,7 @@ class Message(enum.Enum):
     MAIN = "main"  # predecessor: you are systemd's main process now; I exit
 
 
-class Phase(enum.Enum):
+class UpgradePhase(enum.Enum):
     STARTING = "starting"  # the successor is starting (predecessor: waiting for READY)
     LETTING_GO = "letting-go"  # predecessor: our streams ended, kubelet lets go of them
     REGISTERING = "registering"  # the successor registers (predecessor: waiting for REGISTERED)
@@ -49,33 +51,24 @@ class Phase(enum.Enum):
 
 
 # --- actions ----------------------------------------------------------------------------------
+# What the node does (every resource is told) is the registration's own event: `HandOff` (end
+# our streams, wait until kubelet let go), `TakeBack` (the successor failed: serve and register
+# as before), `RegisterAgain` (a while after taking back from a successor that died
+# registering: its Register may have reached kubelet <= 1.36 after ours, and torn ours down by
+# name), `Release` (a successor's: register now). The rest is the process's.
 
 
 class Send(Record):
+    """Tell the other process `message`."""
+
     message: Message
 
 
-class HandOff(Record):
-    """Predecessor: end our streams and wait until kubelet has let go of them (`let_go`)."""
-
-
-class TakeBack(Record):
-    """Predecessor: the successor failed; serve and register as before."""
-
-    why: str
-
-
-class Stop(Record):
+class StopSuccessor(Record):
     """Predecessor: stop the successor (it failed, or took too long). `kill`: at once; else
     it is asked to (SIGTERM) and lets go of what it registered, which `exited` then says."""
 
     kill: bool = True
-
-
-class RegisterAgain(Record):
-    """Predecessor: a while after taking back from a successor that died registering, register
-    once more (its Register may have reached kubelet <= 1.36 after ours, and torn ours down
-    by name: nothing we can see tells)."""
 
 
 class Exit(Record):
@@ -86,17 +79,11 @@ class MainPid(Record):
     """Predecessor: tell systemd the successor is the main process now."""
 
 
-class Release(Record):
-    """Successor: register now."""
-
-
 class BecomeMain(Record):
     """Successor: systemd's main process from now on (READY, STATUS, the watchdog, the metrics)."""
 
 
-class Say(Record):
-    level: int
-    text: str
+UpgradeAction = Union[Send, StopSuccessor, Exit, MainPid, BecomeMain, HandOff, TakeBack, RegisterAgain, Release, Say]
 
 
 class Predecessor:
@@ -104,50 +91,49 @@ class Predecessor:
 
     def __init__(self, overlap: bool, now: float) -> None:
         self.overlap = overlap  # kubelet tracks endpoints per socket: the successor registers beside us
-        self.phase = Phase.STARTING
+        self.phase = UpgradePhase.STARTING
         self.deadline: Optional[float] = now + READY_LIMIT_S
-        self.actions: List[tuple] = []
+        self.actions: List[UpgradeAction] = []
         self._handed_off = False  # our streams are ended (kubelet is letting go, or has)
         self._stopping = False  # the successor was asked to stop: we take back once it is gone
         self._again_at: Optional[float] = None  # register once more then (it died registering)
-        self._why = ""
 
-    def take(self) -> List[tuple]:
+    def take(self) -> List[UpgradeAction]:
         actions, self.actions = self.actions, []
         return actions
 
     @property
     def over(self) -> bool:
         """Nothing more to do with this successor (it is main, or it failed and is gone)."""
-        return self.phase in (Phase.DONE, Phase.FAILED) and not self._stopping and self._again_at is None
+        return self.phase in (UpgradePhase.DONE, UpgradePhase.FAILED) and not self._stopping and self._again_at is None
 
     def received(self, now: float, message: Message) -> None:
-        if self.phase is Phase.FAILED:
+        if self.phase is UpgradePhase.FAILED:
             return  # a successor we gave up on, stopping: its exit is what counts
-        if self.phase is Phase.STARTING and message is Message.READY:
+        if self.phase is UpgradePhase.STARTING and message is Message.READY:
             if self.overlap:  # kubelet keeps our endpoint until the new one is there: no window
                 self._go(now)
             else:
-                self.phase, self.deadline = Phase.LETTING_GO, now + LET_GO_LIMIT_S
+                self.phase, self.deadline = UpgradePhase.LETTING_GO, now + LET_GO_LIMIT_S
                 self._handed_off = True
                 self.actions.append(HandOff())
-        elif self.phase is Phase.REGISTERING and message is Message.REGISTERED:
-            self.phase, self.deadline = Phase.DONE, None
+        elif self.phase is UpgradePhase.REGISTERING and message is Message.REGISTERED:
+            self.phase, self.deadline = UpgradePhase.DONE, None
             self.actions += [MainPid(), Send(Message.MAIN), Exit()]
         else:
             self._fail(now, f"it said {message.value!r} while {self.phase.value}")
 
     def let_go(self, now: float) -> None:
         """kubelet has let go of every stream we ended (or the handover's own limit passed)."""
-        if self.phase is Phase.LETTING_GO:
+        if self.phase is UpgradePhase.LETTING_GO:
             self._go(now)
 
     def exited(self, now: float, how: str) -> None:
         """The successor's process ended (`how`: its exit status in words), or its channel closed."""
         if self._stopping:
             self._take_back()
-        elif self.phase not in (Phase.DONE, Phase.FAILED):
-            self._fail(now, f"it {how} before it was {'ready' if self.phase is Phase.STARTING else 'registered'}",
+        elif self.phase not in (UpgradePhase.DONE, UpgradePhase.FAILED):
+            self._fail(now, f"it {how} before it was {'ready' if self.phase is UpgradePhase.STARTING else 'registered'}",
                        alive=False)
 
     def on_timer(self, now: float) -> None:
@@ -155,114 +141,81 @@ class Predecessor:
             return
         if self._again_at is not None:
             self._again_at = self.deadline = None
-            self.actions += [Say(logging.INFO, "upgrade: registering once more: a Register of the new atedevd that "
+            self.actions += [Say(logging.INFO, "upgrade", "upgrade: registering once more: a Register of the new atedevd that "
                                  "failed may have reached kubelet after ours"), RegisterAgain()]
             return
         if self._stopping:  # it did not stop when asked: now it is killed
-            self.actions.append(Stop(kill=True))
+            self.actions.append(StopSuccessor(kill=True))
             self._take_back()
             if not self.overlap:  # (with a Register of its in kubelet, perhaps)
                 self._again_at = self.deadline = now + ORPHAN_LIMIT_S
             return
-        waiting = {Phase.STARTING: f"was not ready within {READY_LIMIT_S:.0f} s",
-                   Phase.LETTING_GO: f"kubelet did not let go of our streams within {LET_GO_LIMIT_S:.0f} s",
-                   Phase.REGISTERING: f"was not registered within {REGISTER_LIMIT_S:.0f} s"}[self.phase]
+        waiting = {UpgradePhase.STARTING: f"was not ready within {READY_LIMIT_S:.0f} s",
+                   UpgradePhase.LETTING_GO: f"kubelet did not let go of our streams within {LET_GO_LIMIT_S:.0f} s",
+                   UpgradePhase.REGISTERING: f"was not registered within {REGISTER_LIMIT_S:.0f} s"}[self.phase]
         self._fail(now, waiting)
 
     def _go(self, now: float) -> None:
-        self.phase, self.deadline = Phase.REGISTERING, now + REGISTER_LIMIT_S
+        self.phase, self.deadline = UpgradePhase.REGISTERING, now + REGISTER_LIMIT_S
         self.actions.append(Send(Message.GO))
 
     def _fail(self, now: float, why: str, alive: bool = True) -> None:
-        self.actions.append(Say(logging.ERROR, f"upgrade: the new atedevd failed: {why}; the running one serves on"
+        self.actions.append(Say(logging.ERROR, "upgrade", f"upgrade: the new atedevd failed: {why}; the running one serves on"
                                 + (" and registers again" if self._handed_off else "")))
-        self._why = why
-        if self.phase is Phase.REGISTERING and alive:
+        if self.phase is UpgradePhase.REGISTERING and alive:
             # Told to register, and alive: a Register of its may be inside kubelet, which a kill
             # would leave there, unseen (kubelet <= 1.36 would tear ours down with it). Asked to
             # stop, it waits for that Register and lets go; we take back once it is gone.
-            self.phase, self._stopping, self.deadline = Phase.FAILED, True, now + STOP_LIMIT_S
-            self.actions.append(Stop(kill=False))
+            self.phase, self._stopping, self.deadline = UpgradePhase.FAILED, True, now + STOP_LIMIT_S
+            self.actions.append(StopSuccessor(kill=False))
             return
-        registering = self.phase is Phase.REGISTERING
-        self.phase = Phase.FAILED
-        self.actions.append(Stop())
+        registering = self.phase is UpgradePhase.REGISTERING
+        self.phase = UpgradePhase.FAILED
+        self.actions.append(StopSuccessor())
         self._take_back()
         if registering and not self.overlap:  # dead, told to register: a Register of its may be in kubelet
             self._again_at = self.deadline = now + ORPHAN_LIMIT_S
 
     def _take_back(self) -> None:
         self._stopping, self.deadline = False, None
-        self.actions.append(TakeBack(self._why))
+        self.actions.append(TakeBack())
 
 
 class Successor:
     """The new daemon's side: serve but hold registration until told, then take over."""
 
     def __init__(self) -> None:
-        self.phase = Phase.STARTING
-        self.actions: List[tuple] = []
+        self.phase = UpgradePhase.STARTING
+        self.actions: List[UpgradeAction] = []
 
-    def take(self) -> List[tuple]:
+    def take(self) -> List[UpgradeAction]:
         actions, self.actions = self.actions, []
         return actions
 
     def ready(self) -> None:
         """Every resource's socket is bound, held back from registering."""
-        if self.phase is Phase.STARTING:
-            self.phase = Phase.LETTING_GO
+        if self.phase is UpgradePhase.STARTING:
+            self.phase = UpgradePhase.LETTING_GO
             self.actions.append(Send(Message.READY))
 
     def registered(self) -> None:
         """Every resource is registered (kubelet streams our devices)."""
-        if self.phase is Phase.REGISTERING:
-            self.phase = Phase.DONE
+        if self.phase is UpgradePhase.REGISTERING:
+            self.phase = UpgradePhase.DONE
             self.actions.append(Send(Message.REGISTERED))
 
     def received(self, message: Message) -> None:
-        if message is Message.GO and self.phase is Phase.LETTING_GO:
-            self.phase = Phase.REGISTERING
+        if message is Message.GO and self.phase is UpgradePhase.LETTING_GO:
+            self.phase = UpgradePhase.REGISTERING
             self.actions.append(Release())
-        elif message is Message.MAIN and self.phase is Phase.DONE:
+        elif message is Message.MAIN and self.phase is UpgradePhase.DONE:
             self.actions.append(BecomeMain())
 
     def predecessor_gone(self) -> None:
         """The predecessor's channel closed before it made us main: it is gone (killed, or it
         exited); nobody else serves the resource, so register, and serve on."""
-        if self.phase in (Phase.STARTING, Phase.LETTING_GO):
-            self.phase = Phase.REGISTERING
+        if self.phase in (UpgradePhase.STARTING, UpgradePhase.LETTING_GO):
+            self.phase = UpgradePhase.REGISTERING
             self.actions.append(Release())
-        if self.phase is not Phase.FAILED:
+        if self.phase is not UpgradePhase.FAILED:
             self.actions.append(BecomeMain())
-
-
-# --- the node's side: the daemon and the simulation share it --------------------------------
-
-
-def observe(now: float, node, predecessor: Optional[Predecessor], successor: Optional[Successor]) -> None:
-    """What the machines see of the node now (`atedevd.node.Node`: `handed_off`, `held_ready`,
-    `registered`); their actions are then taken, and each goes to `to_node` and to the
-    process's own performer (the channel, systemd: the daemon's, or the simulation's)."""
-    if predecessor is not None:
-        if predecessor.phase is Phase.LETTING_GO and node.handed_off:
-            predecessor.let_go(now)
-        predecessor.on_timer(now)
-    if successor is not None:
-        if successor.phase is Phase.STARTING and node.held_ready:
-            successor.ready()
-        elif successor.phase is Phase.REGISTERING and node.registered:
-            successor.registered()
-
-
-def to_node(now: float, node, action: tuple) -> None:
-    """The node's part of an action, if it has one."""
-    if isinstance(action, HandOff):
-        node.hand_off(now)
-    elif isinstance(action, TakeBack):
-        node.take_back(now)
-    elif isinstance(action, RegisterAgain):
-        node.register_again(now)
-    elif isinstance(action, Release):
-        node.release(now)
-    elif isinstance(action, Exit):
-        node.begin_stop(now, handed_over=True)  # our successor is registered: no let-go to wait for

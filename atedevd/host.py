@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from functools import partial
-from typing import Callable, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from atedevd import sockets
 from atedevd.kubelet import KUBELET_SOCKET, AllocatableCall, RegisterCall, not_listening, pod_resources_socket
@@ -31,7 +31,6 @@ class Host:
     isdir = staticmethod(os.path.isdir)
     exists = staticmethod(os.path.exists)
     listening = staticmethod(sockets.listening)  # someone accepts connections on that socket
-    held_connections = staticmethod(sockets.held_connections)  # kubelet's connections to our sockets
 
     def __init__(self, plugin_dir: str, workers: Workers, post: Callable[[Callable[[], None]], None]) -> None:
         self.plugin_dir = plugin_dir
@@ -40,6 +39,42 @@ class Host:
         self.workers = workers
         self.post = post  # run a callable on the loop (from gRPC threads)
         self._said: Set[str] = set()  # `once` keys already logged
+        # Kubelet's connections counted for a let-go wait, watched for its hang-up: a
+        # duplicate of each descriptor, by who counted them (the loop polls them).
+        self._watched: Dict[object, Tuple[List[int], Callable[[], None]]] = {}
+
+    @staticmethod
+    def connections_visible() -> bool:
+        """Our descriptors show kubelet's connections to our sockets (/proc is readable)."""
+        return sockets.held_connections(()) is not None
+
+    def count_connections(self, who: object, bind_paths: List[str], on_hangup: Callable[[], None]) -> Tuple[Optional[int], bool]:
+        """kubelet's connections still open to the sockets bound at these paths (None: our
+        descriptors cannot show them), and whether `on_hangup` runs on the loop when kubelet
+        hangs one of them up (`who`'s earlier watch ends here)."""
+        self.unwatch(who)
+        fds: List[int] = []
+        held = sockets.held_connections(bind_paths, keep=fds)
+        if fds:
+            self._watched[who] = (fds, on_hangup)
+        return held, bool(fds)
+
+    def unwatch(self, who: object) -> None:
+        """Close `who`'s duplicates: a connection we hold open would not close for kubelet."""
+        fds, _ = self._watched.pop(who, ((), None))
+        for fd in fds:
+            os.close(fd)
+
+    def watched_fds(self) -> List[int]:
+        return [fd for fds, _ in self._watched.values() for fd in fds]
+
+    def hung_up(self, fd: int) -> None:
+        """The loop saw `fd` hung up: its watch ends, and whoever counted is told (on the loop)."""
+        for who, (fds, on_hangup) in list(self._watched.items()):
+            if fd in fds:
+                self.unwatch(who)
+                self.post(on_hangup)
+                return
 
     @staticmethod
     def identity(path: str) -> Optional[Tuple[int, int]]:

@@ -19,6 +19,7 @@ from atedevd.config import Device
 from atedevd.kubelet import KUBELET_SOCKET, KubeletView
 from atedevd.pod_resources import PodResourcesClient
 from atedevd.record import Record
+from atedevd.registration import messages as m
 from atedevd.registration.messages import State
 from atedevd.registration.report import Report
 from atedevd.resource import Resource
@@ -82,7 +83,7 @@ class Node:
         for name in list(self.resources):
             r = self.resources[name]
             if name not in wanted:
-                r.close(now)
+                r.handle(now, m.CloseAll())
                 del self.resources[name]
                 self.host.say(INFO, "resource-removed", f"{name}: no longer configured; stopped serving it", resource=name)
             elif wanted[name] != r.device or moved:
@@ -113,7 +114,7 @@ class Node:
                 r.nodes_may_have_changed()
             r.check_sockets(now)
             if news.from_kubelet or news.events_lost:  # any news from kubelet's side cuts a retry wait short
-                r.nudge(now)
+                r.handle(now, m.Nudge())
         return news
 
     def look_at_kubelet(self, now: float, created: bool, lost: bool) -> None:
@@ -123,8 +124,7 @@ class Node:
                 r.kubelet_started(now, self.kubelet)
         elif self.kubelet.gone:
             self.kubelet.gone = False
-            for r in self.resources.values():
-                r.kubelet_gone(now)
+            self.tell_all(now, m.KubeletGone())
 
     def wake(self, now: float) -> bool:
         """After any wake-up: what is due, then what is served made to match what exists.
@@ -149,36 +149,36 @@ class Node:
         for r in self.resources.values():
             r.look_at_device(now)
             if not dir_ok:
-                r.unserve(now, "the plugin directory is gone")
+                r.handle(now, m.Unserve("the plugin directory is gone"))
             elif r.advertised:
-                unserved = r.state is State.UNSERVED
-                r.serve(now, self.kubelet, self.held)
-                began |= unserved and r.state is not State.UNSERVED
+                if r.state is State.UNSERVED:
+                    r.serve(now, self.kubelet, self.held)
+                    began |= r.state is not State.UNSERVED
                 r.check_sockets(now)
         return began
 
-    # --- an upgrade (atedevd/handoff.py) ----------------------------------------------------------
+    # --- an upgrade (atedevd/handoff.py), and the end -------------------------------------------
+
+    def tell_all(self, now: float, event: m.Event) -> None:
+        """Every resource's registration is told: an upgrade's step (`HandOff`, `TakeBack`,
+        `RegisterAgain`), or the last word (`CloseAll`)."""
+        for r in self.resources.values():
+            r.handle(now, event)
 
     def release(self, now: float) -> None:
         """A successor's: register now."""
         self.held = False
-        for r in self.resources.values():
-            r.release(now)
+        self.tell_all(now, m.Release())
 
-    def hand_off(self, now: float) -> None:
-        """A predecessor's: end our streams; `handed_off` once kubelet let go of them."""
-        for r in self.resources.values():
-            r.hand_off(now)
+    def begin_stop(self, now: float, handed_over: bool = False) -> None:
+        """End our streams; the caller runs on until kubelet has let go of them (bounded).
+        `handed_over`: our successor is registered (an upgrade): no let-go to wait for."""
+        self.stopping = True
+        self.tell_all(now, m.Stop(handed_over))
 
-    def take_back(self, now: float) -> None:
-        """A predecessor's: the successor failed; register again."""
-        for r in self.resources.values():
-            r.take_back(now)
-
-    def register_again(self, now: float) -> None:
-        """A predecessor's, after a take-back from a successor that died registering."""
-        for r in self.resources.values():
-            r.register_again(now)
+    def close(self, now: float) -> None:
+        """Every socket of ours closed: the process exits."""
+        self.tell_all(now, m.CloseAll())
 
     @property
     def held_ready(self) -> bool:
@@ -193,17 +193,6 @@ class Node:
         """Every resource served is registered (kubelet streams our devices)."""
         return all(r.state is State.REGISTERED or (r.state is State.UNSERVED and not r.advertised)
                    for r in self.resources.values())
-
-    def begin_stop(self, now: float, handed_over: bool = False) -> None:
-        """End our streams; the caller runs on until kubelet has let go of them (bounded).
-        `handed_over`: our successor is registered (an upgrade): no let-go to wait for."""
-        self.stopping = True
-        for r in self.resources.values():
-            r.begin_stop(now, handed_over)
-
-    def close(self, now: float) -> None:
-        for r in self.resources.values():
-            r.close(now)
 
     # --- what the loop asks ----------------------------------------------------------------------
 
@@ -226,3 +215,7 @@ class Node:
 
     def reports(self) -> List[Report]:
         return [r.report() for r in self.resources.values()]
+
+    def shown(self) -> tuple:
+        """What the reports show: they changed when this did."""
+        return tuple(r.shown() for r in self.resources.values())

@@ -1,21 +1,23 @@
 """Carries out what one resource's registration machine decides, by the action's type.
 
 It turns the machine's actions into binds, renames, Register and pod-resources
-calls, stream endings and journal lines, and feeds every outcome back in as an
-event. All of it goes through a `Host` (atedevd/host.py: sockets, gRPC calls,
-the clock, the journal); the simulation (tests/simulation) runs this same
-performer on a host of its own, so only the I/O beneath it is ever faked.
+calls, stream endings and journal lines. It never calls the machine: an outcome
+known at once (a socket bound, a Register refused because nobody listens) is
+returned, and `Resource.handle` feeds it back in; one that comes later (a call's
+answer, kubelet's stream opening or ending, a hang-up) goes to `deliver`, which the
+host runs on the loop. All of it goes through a `Host` (atedevd/host.py: sockets,
+gRPC calls, the clock, the journal); the simulation (tests/simulation) runs this
+same performer on a host of its own, so only the I/O beneath it is ever faked.
 It decides nothing: `atedevd/registration/` does.
 """
 
 import logging
 import os
-from typing import Dict, Optional, Set
+from typing import Callable, Dict, List, Optional, Set
 
 from atedevd import sockets
 from atedevd.plugin import StreamEvent
 from atedevd.registration import messages as m
-from atedevd.registration.machine import Registration
 from atedevd.registration.messages import Listing, Outcome
 
 # What a plugin server reports, as machine events.
@@ -24,11 +26,13 @@ _STREAM_EVENTS = {StreamEvent.OPENED: m.StreamOpened, StreamEvent.LIST_SENT: m.L
 
 class Performer:
     """The sockets and calls of one resource; `owner` gives its device, snapshot,
-    stream budget and Allocate counts (atedevd/resource.py)."""
+    stream budget and Allocate counts (atedevd/resource.py); `deliver(event)` takes
+    what comes back later, on the loop."""
 
-    def __init__(self, owner, machine: Registration, host, pod_resources, run_id: str, serve_failed) -> None:
+    def __init__(self, owner, host, pod_resources, run_id: str, serve_failed,
+                 deliver: Callable[[m.Event], None]) -> None:
         self.owner = owner
-        self.machine = machine
+        self.deliver = deliver
         self.host = host
         self.pod_resources = pod_resources  # the daemon's one client (atedevd/pod_resources.py)
         self.plugin_dir = host.plugin_dir
@@ -44,20 +48,13 @@ class Performer:
     def name(self) -> str:
         return self.owner.device.resource
 
-    def run(self) -> None:
-        """Carry out every action the machine has asked for, feeding outcomes back."""
-        while self.machine.actions:
-            for action in self.machine.take():
-                _DO[type(action)](self, action)
-
-    def handle(self, event) -> None:
-        """An event for the machine, now; then whatever it asks for."""
-        self.machine.handle(self.host.monotonic(), event)
-        self.run()
+    def perform(self, action: m.Action) -> Optional[m.Event]:
+        """Carry out one action; its outcome when it is known at once."""
+        return _DO[type(action)](self, action)
 
     # --- the actions -------------------------------------------------------------------------
 
-    def _bind(self, a: m.Bind) -> None:
+    def _bind(self, a: m.Bind) -> Optional[m.Event]:
         self._names += 1
         directory = os.path.join(self.plugin_dir, sockets.STANDBY_DIR) if a.standby else self.plugin_dir
         path = os.path.join(directory, sockets.socket_name(self.name, self.run_id, self._names))
@@ -71,13 +68,12 @@ class Performer:
         except OSError as e:
             server.stop()
             if self.serve_failed(path, e):
-                return  # the daemon stops: the machine was told to
-            self.machine.handle(self.host.monotonic(), m.Bound(a.sid, f"on {path}: {e.strerror or e}"))
-            return
+                return None  # the daemon stops (a Stop follows, through the loop)
+            return m.Bound(a.sid, f"on {path}: {e.strerror or e}")
         self.servers[a.sid] = server
-        self.machine.handle(self.host.monotonic(), m.Bound(a.sid))
+        return m.Bound(a.sid)
 
-    def _place(self, a: m.Place) -> None:
+    def _place(self, a: m.Place) -> m.Event:
         server = self.servers.get(a.sid)
         error = None
         try:
@@ -86,83 +82,99 @@ class Performer:
             server.move_to(os.path.join(self.plugin_dir, os.path.basename(server.bind_path)))
         except OSError as e:
             error = f"on {self.plugin_dir}: {e.strerror or e}"
-        self.machine.handle(self.host.monotonic(), m.Placed(a.sid, error))
+        return m.Placed(a.sid, error)
 
-    def _register(self, a: m.SendRegister) -> None:
+    def _register(self, a: m.SendRegister) -> Optional[m.Event]:
         server = self.servers[a.sid]
         if not self.host.listening(self.host.kubelet_socket):  # kubelet.sock made, not yet listened on
-            self.machine.handle(self.host.monotonic(), m.RegisterDone(a.cid, Outcome.REFUSED, "kubelet is not accepting connections"))
-            return
+            return m.RegisterDone(a.cid, Outcome.REFUSED, "kubelet is not accepting connections")
         self.registers_sent += 1
         device = self.owner.device
         self.host.say(logging.INFO if self.registers_sent == 1 else logging.DEBUG, "serving",
-                      f"{self.name}: serving {self.machine.units} units of {device.path} on {server.socket_path}",
+                      f"{self.name}: serving {self.owner.snapshot.units} units of {device.path} on {server.socket_path}",
                       resource=self.name, device=device.path, socket=server.socket_path)
         self._calls[a.cid] = self.host.register(self.name, os.path.basename(server.socket_path),
                                                 lambda outcome, error: self._register_done(a.cid, outcome, error))
+        return None
 
-    def _ask(self, a: m.AskPodResources) -> None:
+    def _ask(self, a: m.AskPodResources) -> Optional[m.Event]:
         path = self.host.pod_resources_socket
         if not self.host.exists(path):
-            self.machine.handle(self.host.monotonic(), m.Listed(a.cid, Listing.ABSENT))
-            return
+            return m.Listed(a.cid, Listing.ABSENT)
         self._calls[a.cid] = self.pod_resources.ask(lambda listing, counts, error: self._ask_done(a.cid, listing, counts, error))
+        return None
 
-    def _count(self, a: m.CountConnections) -> None:
+    def _count(self, a: m.CountConnections) -> m.Event:
+        """kubelet's connections to these sockets; the host wakes us (`HungUp`) when it
+        hangs one of them up, where it can watch them."""
         paths = [self.servers[s].bind_path for s in a.sids if s in self.servers]
-        self.machine.handle(self.host.monotonic(), m.ConnectionsCounted(self.host.held_connections(paths) if paths else 0))
+        if not paths:
+            return m.ConnectionsCounted(0)
+        held, watched = self.host.count_connections(self, paths, lambda: self.deliver(m.HungUp()))
+        return m.ConnectionsCounted(held, watched)
 
     def _cancel(self, a: m.CancelCall) -> None:
         call = self._calls.get(a.cid)
         if call is not None:
             call.cancel()  # its outcome still comes back (and releases the channel); the machine ignores it
+        return None
 
     def _end_streams(self, a: m.EndStreams) -> None:
         server = self.servers.get(a.sid)
         if server is not None:
             server.end_streams()
+        return None
 
     def _resend(self, a: m.ResendList) -> None:
         server = self.servers.get(a.sid)
         if server is not None:
             server.resend()
+        return None
 
     def _close(self, a: m.CloseSocket) -> None:
         server = self.servers.pop(a.sid, None)
         self._told_gone.discard(a.sid)
         if server is not None:
+            self.host.unwatch(self)  # a watched connection must not outlive its server (kubelet would never see it close)
             server.stop()
+        return None
 
     def _say(self, a: m.Say) -> None:
         self.host.say(a.level, a.kind, a.text, once=a.once, resource=self.name)
+        return None
 
     # --- outcomes, on the loop -------------------------------------------------------------------
 
     def _stream_event(self, kind: StreamEvent, sid: int) -> None:
         if kind is StreamEvent.REFUSED:
             server = self.servers.get(sid)
-            self.handle(m.StreamRefused(sid, self.owner.stream_limit, server.socket_path if server else ""))
+            self.deliver(m.StreamRefused(sid, self.owner.stream_limit, server.socket_path if server else ""))
         else:
-            self.handle(_STREAM_EVENTS[kind](sid))
+            self.deliver(_STREAM_EVENTS[kind](sid))
 
     def _register_done(self, cid: int, outcome: Outcome, error: Optional[str]) -> None:
         self._calls.pop(cid, None)
-        self.handle(m.RegisterDone(cid, outcome, error or ""))
+        self.deliver(m.RegisterDone(cid, outcome, error or ""))
 
     def _ask_done(self, cid: int, listing: Listing, counts: dict, error: Optional[str]) -> None:
         self._calls.pop(cid, None)
         if listing is Listing.FAILED:
             self.host.say(logging.DEBUG, "pod-resources", f"{self.name}: pod-resources did not answer: {error}")
-        self.handle(m.Listed(cid, listing, counts.get(self.name, 0)))
+        self.deliver(m.Listed(cid, listing, counts.get(self.name, 0)))
 
     # --- for the owner -----------------------------------------------------------------------------
 
-    def newly_gone(self) -> list:
+    def newly_gone(self) -> List[int]:
         """The sockets whose file stopped being ours (deleted, or replaced) since the last look."""
         gone = [sid for sid, server in self.servers.items()
                 if sid not in self._told_gone and server.inode is not None and not server.socket_is_ours()]
         self._told_gone.update(gone)
         return gone
+
+    def socket_name(self, sid: int) -> Optional[str]:
+        """The file name socket `sid` serves at, while it serves."""
+        server = self.servers.get(sid)
+        return os.path.basename(server.socket_path) if server is not None else None
 
     def is_ours(self, sid: int) -> bool:
         server = self.servers.get(sid)
@@ -182,7 +194,7 @@ class Performer:
             server.publish(snapshot)
 
 
-_DO = {
+_DO: Dict[type, Callable[["Performer", m.Action], Optional[m.Event]]] = {  # type: ignore[dict-item]
     m.Bind: Performer._bind, m.Place: Performer._place, m.SendRegister: Performer._register,
     m.AskPodResources: Performer._ask, m.CountConnections: Performer._count, m.CancelCall: Performer._cancel,
     m.EndStreams: Performer._end_streams, m.ResendList: Performer._resend, m.CloseSocket: Performer._close,

@@ -10,7 +10,7 @@ typed `Report`. `atedevd/node.py` tells it what happened.
 
 import os
 import threading
-from typing import Optional
+from typing import List, Optional
 
 from atedevd import devices, sockets
 from atedevd.config import Device
@@ -57,9 +57,9 @@ class Resource:
         longest = os.path.join(host.plugin_dir, sockets.STANDBY_DIR, sockets.socket_name(device.resource, run_id, 10**6))
         self.machine = Registration(device.resource, self.snapshot.units, self.snapshot.healthy_units,
                                     standby_possible=len(os.fsencode(longest)) <= sockets.MAX_SOCKET_PATH,
-                                    device_path=device.path,
-                                    connections_visible=host.held_connections(()) is not None)
-        self.performer = Performer(self, self.machine, host, pod_resources, run_id, serve_failed)
+                                    device_path=device.path, connections_visible=host.connections_visible())
+        self.performer = Performer(self, host, pod_resources, run_id, serve_failed,
+                                   lambda event: self.handle(host.monotonic(), event))
 
     @property
     def name(self) -> str:
@@ -76,6 +76,32 @@ class Resource:
     @property
     def stopped(self) -> bool:
         return self.machine.stopped
+
+    # --- its registration: events in, actions carried out ---------------------------------------
+
+    def handle(self, now: float, event: m.Event) -> None:
+        """An event for its registration; then every action that follows is carried out,
+        and each outcome known at once goes back in as an event, in turn."""
+        self.machine.handle(now, event)
+        self._carry_out()
+
+    def on_timer(self, now: float) -> None:
+        self.machine.handle_timer(now)
+        self._carry_out()
+
+    def _carry_out(self) -> None:
+        outcomes: List[m.Event] = []
+        while True:
+            for action in self.machine.take():
+                outcome = self.performer.perform(action)
+                if outcome is not None:
+                    outcomes.append(outcome)
+            if not outcomes:
+                return
+            now = self.host.monotonic()
+            for outcome in outcomes:
+                self.machine.handle(now, outcome)
+            outcomes.clear()
 
     # --- the device's nodes ------------------------------------------------------------------
 
@@ -98,7 +124,7 @@ class Resource:
         if publish:
             self.snapshot = self._new_snapshot()
             self.performer.publish(self.snapshot, self.device)
-            self._do(self.host.monotonic(), m.Publish(self.snapshot.units, self.snapshot.healthy_units))
+            self.handle(self.host.monotonic(), m.Publish(self.snapshot.units, self.snapshot.healthy_units))
 
     def accept_nodes(self) -> None:
         """A reload: the nodes there now are accepted as the device's (the configuration
@@ -122,10 +148,10 @@ class Resource:
         self.snapshot = self._new_snapshot()
         units, healthy = self.snapshot.units, self.snapshot.healthy_units
         if anew:
-            self._do(now, m.Reconfigure(units, healthy))
+            self.handle(now, m.Reconfigure(units, healthy))
             return True
         self.performer.retarget(self.snapshot, device)
-        self._do(now, m.Publish(units, healthy))
+        self.handle(now, m.Publish(units, healthy))
         return False
 
     def _new_snapshot(self) -> devices.Snapshot:
@@ -135,86 +161,44 @@ class Resource:
     # --- what happened: told by the node ------------------------------------------------------
 
     def serve(self, now: float, kubelet, held: bool = False) -> None:
-        self._do(now, m.Serve(kubelet.serving, self._on_our_clock(now, kubelet.since) if kubelet.serving else None, held))
+        self.handle(now, m.Serve(kubelet.serving, self._on_our_clock(now, kubelet.since) if kubelet.serving else None, held))
+
+    def kubelet_started(self, now: float, kubelet) -> None:
+        ours = any(self.performer.is_ours(sid) for sid in self.machine.held_sockets())
+        self.handle(now, m.KubeletCreated(self._on_our_clock(now, kubelet.since), ours))
+
+    def check_sockets(self, now: float) -> None:
+        """Is every socket of ours still ours (after a directory event, or any wake-up)?"""
+        for sid in self.performer.newly_gone():
+            self.handle(now, m.SocketDeleted(sid))
+
+    def retry_due(self, now: float) -> bool:
+        return self.machine.timer_due(Timer.RETRY, now)
+
+    def _on_our_clock(self, now: float, wall: float) -> float:
+        """A wall-clock time (kubelet.sock's ctime) on the monotonic clock."""
+        return now - max(0.0, self.host.wall() - wall)
 
     # --- an upgrade (atedevd/handoff.py) ---------------------------------------------------------
-
-    def release(self, now: float) -> None:
-        self._do(now, m.Release())
-
-    def hand_off(self, now: float) -> None:
-        self._do(now, m.HandOff())
-
-    def take_back(self, now: float) -> None:
-        self._do(now, m.TakeBack())
-
-    def register_again(self, now: float) -> None:
-        self._do(now, m.RegisterAgain())
 
     @property
     def held_ready(self) -> bool:
         """A successor's: nothing left to do before it may register (bound, or not served at all)."""
-        mv = self.machine.moves
-        if mv.state is State.UNSERVED:
+        if self.state is State.UNSERVED:
             return not self.advertised
-        return mv.state is State.WAITING and (not mv.standby_possible or self.machine.book.is_bound(self.machine.book.standby))
+        return self.state is State.WAITING and self.machine.standby_ready
 
     @property
     def handed_off(self) -> bool:
         """A predecessor's: kubelet let go of its streams (or it has none)."""
         return self.state not in (State.HANDING_OFF, *SERVED)
 
-    def unserve(self, now: float, why: str) -> None:
-        self._do(now, m.Unserve(why))
-
-    def kubelet_started(self, now: float, kubelet) -> None:
-        ours = any(self.performer.is_ours(sid) for sid in self.machine.book.held())
-        self._do(now, m.KubeletCreated(self._on_our_clock(now, kubelet.since), ours))
-
-    def kubelet_gone(self, now: float) -> None:
-        self._do(now, m.KubeletGone())
-
-    def check_sockets(self, now: float) -> None:
-        """Is every socket of ours still ours (after a directory event, or any wake-up)?"""
-        for sid in self.performer.newly_gone():
-            self.machine.handle(now, m.SocketDeleted(sid))
-        self.performer.run()
-
-    def nudge(self, now: float) -> None:
-        self._do(now, m.Nudge())
-
-    def begin_stop(self, now: float, handed_over: bool = False) -> None:
-        self._do(now, m.Stop(handed_over))
-
-    def close(self, now: float) -> None:
-        self._do(now, m.CloseAll())
-
-    def on_timer(self, now: float) -> None:
-        self.machine.handle_timer(now)
-        self.performer.run()
-
-    def retry_due(self, now: float) -> bool:
-        return self.machine.timer_due(Timer.RETRY, now)
-
-    def _do(self, now: float, event) -> None:
-        self.machine.handle(now, event)
-        self.performer.run()
-
-    def _on_our_clock(self, now: float, wall: float) -> float:
-        """A wall-clock time (kubelet.sock's ctime) on the monotonic clock."""
-        return now - max(0.0, self.host.wall() - wall)
-
     # --- what it tells ----------------------------------------------------------------------
 
+    def shown(self) -> tuple:
+        """What its report shows: it changed when this did."""
+        return self.machine.shown(), self.advertised, self.device, self.performer.registers_sent
+
     def report(self) -> Report:
-        mc, t = self.machine, self.machine.tally
-        served = mc.state not in (State.UNSERVED, State.STOPPED)
-        return Report(
-            name=self.name, device_path=self.device.path, pattern=self.device.pattern, state=mc.state,
-            changed_at=mc.changed_at, advertised=self.advertised, units=mc.units if served else 0,
-            healthy_units=mc.healthy_units if served else 0,
-            kubelet_count=mc.check.kubelet_count, registrations=t.registrations, begun=dict(t.begun),
-            registers_sent=self.performer.registers_sent, allocate_calls=self.allocations.calls,
-            allocate_failures=self.allocations.failures, refused_streams=t.refused_streams,
-            last_error=t.last_error, failing_since=t.failing_since, serve_error=t.serve_error,
-            last_reregistration=t.last_reregistration)
+        return self.machine.report(self.device.path, self.device.pattern, self.advertised, self.performer.registers_sent,
+                                   self.allocations.calls, self.allocations.failures)

@@ -189,7 +189,7 @@ def connect_error(path: str, timeout: Optional[float] = None) -> Optional[OSErro
     return None
 
 
-def held_connections(bind_paths: Iterable[str]) -> Optional[int]:
+def held_connections(bind_paths: Iterable[str], keep: Optional[List[int]] = None) -> Optional[int]:
     """How many connections accepted on sockets bound at these paths are still open
     (what kubelet holds of them): None when our descriptors cannot be read.
 
@@ -199,6 +199,8 @@ def held_connections(bind_paths: Iterable[str]) -> Optional[int]:
     our descriptor table whatever the namespace, and its own address is the path its
     listener was bound at, even after the file was renamed or deleted. A connection
     whose peer has hung up counts as let go, whether or not gRPC has closed it yet.
+    `keep`: a duplicate of each held connection's descriptor is appended there, for the
+    caller to poll for the peer's hang-up (POLLRDHUP) and to close.
     """
     wanted = {os.fsencode(p) for p in bind_paths}
     try:
@@ -224,6 +226,8 @@ def held_connections(bind_paths: Iterable[str]) -> Optional[int]:
             poller.unregister(dup)
             if not hung_up:
                 count += 1
+                if keep is not None:
+                    keep.append(os.dup(dup))
         except OSError:
             pass
         finally:

@@ -221,3 +221,59 @@ def _said(status: int) -> str:
     if os.WIFSIGNALED(status):
         return f"was killed by signal {os.WTERMSIG(status)}"
     return f"exited with status {os.WEXITSTATUS(status)}"
+
+
+EXIT_STATUS_WAIT_S = 0.1  # a successor that hung up before it forked: its exit status is read within this (it names the failure)
+
+
+class Peers:
+    """The other process of an upgrade, from this one's side: the successor we started
+    (`child`), or the predecessor that started us (`parent`); the channel is whichever's is open."""
+
+    def __init__(self, parent: Optional[Parent]) -> None:
+        self.parent = parent
+        self.child: Optional[Child] = None
+
+    def talking(self):
+        """The one whose channel is open, if any (its descriptor is the loop's to watch)."""
+        if self.child is not None and self.child.talking:
+            return self.child
+        return self.parent
+
+    def start_successor(self, lock_fd: int, served: Iterable[str]) -> None:
+        self.child = Child(lock_fd, served)
+
+    def heard(self) -> List[Tuple[Optional[Message], Optional[str]]]:
+        """What the other side said: (message, None), or at the end (None, how a successor
+        ended, once known). A successor may die right after it spoke; once it hung up, its
+        exit status is a moment away."""
+        other, out = self.talking(), []
+        for message in other.receive() if other is not None else ():
+            if other is self.child:
+                gone = self.child.ended(EXIT_STATUS_WAIT_S if message is None else 0.0)
+                if message is None or gone:
+                    self.child.hang_up()
+                    return out + [(None, gone)]
+            elif message is None:  # the predecessor exited (or died)
+                self.parent.close()
+                self.parent = None
+                return out + [(None, None)]
+            out.append((message, None))
+        return out
+
+    def send(self, message: Message) -> None:
+        other = self.talking()
+        if other is not None:
+            other.send(message)
+
+    def stop_successor(self, kill: bool) -> None:
+        if self.child is not None:
+            if kill:
+                self.child.kill()
+            else:
+                self.child.terminate()  # it lets go of what it registered; its exit ends the talk
+
+    def reap(self) -> None:
+        """A successor that has exited is reaped at once."""
+        if self.child is not None:
+            self.child.ended()

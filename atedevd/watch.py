@@ -49,6 +49,7 @@ _TOPOLOGY = c.IN_DELETE_SELF | c.IN_MOVE_SELF | c.IN_IGNORED | c.IN_Q_OVERFLOW
 
 POLL_INTERVAL_S = 1.0  # how often unwatched directories are scanned
 RETRY_S = 30.0  # how often inotify is tried again for them
+OVERFLOW_SAY_EVERY_S = 60.0  # the kernel's queue overflowed: said this often at most
 
 # The path is going or gone: watch its parent instead (not a reason to poll).
 _VANISHED = (errno.ENOENT, errno.ENOTDIR)
@@ -106,6 +107,7 @@ class Watcher:
         self._next_poll = 0.0
         self._next_retry = 0.0
         self._complained: Set[int] = set()  # errnos already logged in this episode
+        self._overflow_said: Optional[float] = None
         self._spare: Optional[int] = None  # write end of the stand-in pipe, while inotify_init fails
         try:
             self._fd: Optional[int] = _init()
@@ -200,6 +202,10 @@ class Watcher:
             self._retry_init()
         if retry or any(e.is_(_TOPOLOGY) or (e.is_(c.IN_ISDIR) and e.name) for e in events):
             self.rearm()
+        if any(e.is_(c.IN_Q_OVERFLOW) for e in events) and (
+                self._overflow_said is None or now - self._overflow_said >= OVERFLOW_SAY_EVERY_S):
+            self._overflow_said = now  # a burst in a watched directory: said once a minute at most
+            event(logging.WARNING, "inotify-overflow", _overflow_warning())
         return events
 
     def close(self) -> None:
@@ -252,6 +258,16 @@ class Watcher:
             _rm_watch(self._fd, wd)
         except OSError:
             pass  # already gone with its directory
+
+
+def _overflow_warning() -> str:
+    """What to say when the kernel's event queue overflowed, with its limit where it can be read."""
+    try:
+        with open("/proc/sys/fs/inotify/max_queued_events") as f:
+            limit = f" (fs.inotify.max_queued_events is {f.read().strip()})"
+    except OSError:
+        limit = ""
+    return f"the inotify queue overflowed{limit}: events were lost; re-checking kubelet.sock, our sockets and the devices"
 
 
 def _advice(code: int, path: Optional[str]) -> str:

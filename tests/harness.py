@@ -219,16 +219,17 @@ def crash_when_file_appears(message: str, name: str = "crash-now") -> str:
     daemon has no test hook), while the gRPC server holds kubelet's stream."""
     return f"""
 import sys
-import atedevd.daemon
+import atedevd.node
 
-real = atedevd.daemon.Daemon._on_fs_events
+real = atedevd.node.Node.on_directory_events
 
-def on_fs_events(self, events):
+def on_directory_events(self, events, now):
+    events = list(events)
     if any(e.name == {name!r} for e in events):
         raise RuntimeError({message!r})
-    return real(self, events)
+    return real(self, events, now)
 
-atedevd.daemon.Daemon._on_fs_events = on_fs_events
+atedevd.node.Node.on_directory_events = on_directory_events
 from atedevd import cli
 sys.exit(cli.main(sys.argv[1:]))
 """

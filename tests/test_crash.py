@@ -29,14 +29,19 @@ import atedevd.daemon
 
 plugin_dir = sys.argv[sys.argv.index("--device-plugin-dir") + 1]
 
-def summary(self):
+first_apply = atedevd.daemon.Daemon._apply
+
+def apply(self, cfg, first=False):
+    first_apply(self, cfg, first)
+    if not first:
+        return
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not os.path.exists(os.path.join(plugin_dir, "kubelet_internal_checkpoint")):
-        self._drain_inbox()  # the first Register waits for pod-resources' answer, which the loop takes
+        self.inbox.run()  # the first Register waits for pod-resources' answer, which the loop takes
         time.sleep(0.01)
     raise RuntimeError("injected by the test\\nsecond line of the message")
 
-atedevd.daemon.Daemon._summary = summary
+atedevd.daemon.Daemon._apply = apply
 from atedevd import cli
 sys.exit(cli.main(sys.argv[1:]))
 """
@@ -84,7 +89,7 @@ def test_crash_exits_1_promptly_with_one_line_and_the_traceback(tmp_path, plugin
     assert text.count("Traceback (most recent call last):") == 1, text
     trace = text[text.index("Traceback (most recent call last):"):]
     assert text.index(" ERROR crashed") < text.index("Traceback"), text
-    frame = "in on_fs_events" if where == "in-the-loop" else "in summary"
+    frame = "in on_directory_events" if where == "in-the-loop" else "in apply"
     assert frame in trace and "RuntimeError: injected by the test\nsecond line of the message" in trace, text
 
 

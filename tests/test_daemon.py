@@ -449,3 +449,26 @@ def test_worker_threads_start_with_the_first_registers_and_re_registrations_add_
         assert w.submit(lambda: 42).result(5) == 42
     finally:
         w.shutdown()
+
+
+@pytest.mark.parametrize("kubelet_mode", ["1.32", "current"])
+def test_the_let_go_wait_sleeps_until_kubelet_hangs_up(start_daemon, plugin_dir, kubelet_mode):
+    """On SIGTERM our streams end and the exit waits for kubelet to let go of its connection.
+    A kubelet that holds it for 0.6 s (its teardown delayed) is not polled through those
+    0.6 s (at 1 ms a count, that was hundreds): the wait counts once, sleeps, and kubelet's
+    hang-up wakes it to count again."""
+    k = Kubelet(plugin_dir, kubelet=kubelet_mode, delays={"teardown": 0.6})
+    k.start()
+    try:
+        d = start_daemon(log_level="debug")
+        d.wait_ready()
+        assert k.wait_connected(RESOURCE), d.log()
+        assert wait_until(lambda: ": registered, " in (d.status() or ""), 10), d.log()
+        assert d.stop() == 0, d.log()
+        [line] = [x for x in d.log().splitlines() if "let go of our old socket after" in x]
+        m = re.search(r"after (\d+) ms \((?:connections|confirm), (\d+) count", line)
+        assert m, line
+        took, counts = m.groups()
+        assert int(took) >= 600 and 1 <= int(counts) <= 3, line  # 0.6 s held; the hang-up woke the second count
+    finally:
+        k.close()

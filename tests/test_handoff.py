@@ -7,12 +7,16 @@ import logging
 import pytest
 
 from atedevd import handoff
-from atedevd.handoff import (BecomeMain, Exit, HandOff, MainPid, Message, Phase, Predecessor, RegisterAgain, Release,
-                             Say, Send, Stop, Successor, TakeBack)
+from atedevd.handoff import (BecomeMain, Exit, MainPid, Message, Predecessor, Send, StopSuccessor, Successor,
+                             UpgradePhase)
+from atedevd.process import Process, Ready
+from atedevd.registration.messages import HandOff, RegisterAgain, Release, Say, Stop, TakeBack
+
+Phase = UpgradePhase
 
 
 def kinds(machine) -> list:
-    return [a if isinstance(a, (Send, Stop)) else type(a) for a in machine.take() if not isinstance(a, Say)]
+    return [a if isinstance(a, (Send, StopSuccessor)) else type(a) for a in machine.take() if not isinstance(a, Say)]
 
 
 def errors(actions) -> list:
@@ -45,7 +49,7 @@ def test_a_successor_that_exits_before_it_is_ready_is_one_error_and_nothing_to_r
     actions = p.take()
     assert errors(actions) == ["upgrade: the new atedevd failed: it exited with status 78 before it was ready; "
                                "the running one serves on"]
-    assert [type(a) for a in actions if not isinstance(a, Say)] == [Stop, TakeBack]
+    assert [type(a) for a in actions if not isinstance(a, Say)] == [StopSuccessor, TakeBack]
     assert p.over and p.deadline is None  # it never registered: no Register of its can be in kubelet
 
 
@@ -55,7 +59,7 @@ def test_a_successor_never_ready_is_killed_at_the_limit():
     assert kinds(p) == []
     p.on_timer(handoff.READY_LIMIT_S)
     actions = p.take()
-    assert Stop(kill=True) in actions and any(isinstance(a, TakeBack) for a in actions)
+    assert StopSuccessor(kill=True) in actions and any(isinstance(a, TakeBack) for a in actions)
     assert "was not ready within" in errors(actions)[0] and p.over
 
 
@@ -70,7 +74,7 @@ def test_a_successor_that_dies_registering_is_taken_back_and_we_register_once_mo
     p.take()
     p.exited(0.7, "exited")
     actions = p.take()
-    assert [type(a) for a in actions if not isinstance(a, Say)] == [Stop, TakeBack]
+    assert [type(a) for a in actions if not isinstance(a, Say)] == [StopSuccessor, TakeBack]
     assert "and registers again" in errors(actions)[0]
     assert not p.over and p.deadline == pytest.approx(0.7 + handoff.ORPHAN_LIMIT_S)
     p.on_timer(0.7 + handoff.ORPHAN_LIMIT_S)
@@ -82,7 +86,7 @@ def test_beside_a_per_socket_kubelet_a_dead_successor_needs_no_second_registrati
     p.received(0.5, Message.READY)
     p.take()
     p.exited(0.7, "exited")
-    assert [type(a) for a in p.take() if not isinstance(a, Say)] == [Stop, TakeBack] and p.over
+    assert [type(a) for a in p.take() if not isinstance(a, Say)] == [StopSuccessor, TakeBack] and p.over
 
 
 def test_a_live_successor_that_cannot_register_is_asked_to_stop_and_taken_back_once_gone():
@@ -92,7 +96,7 @@ def test_a_live_successor_that_cannot_register_is_asked_to_stop_and_taken_back_o
     p.take()
     p.on_timer(0.5 + handoff.REGISTER_LIMIT_S)
     actions = p.take()
-    assert Stop(kill=False) in actions and not any(isinstance(a, TakeBack) for a in actions)
+    assert StopSuccessor(kill=False) in actions and not any(isinstance(a, TakeBack) for a in actions)
     p.received(1.0, Message.REGISTERED)  # late, from one we gave up on: ignored
     assert kinds(p) == []
     p.exited(2.0, "exited")  # it let go of what it registered
@@ -107,7 +111,7 @@ def test_a_successor_that_does_not_stop_when_asked_is_killed_and_we_register_onc
     p.take()
     at = handoff.REGISTER_LIMIT_S + handoff.STOP_LIMIT_S
     p.on_timer(at)
-    assert kinds(p) == [Stop(kill=True), TakeBack] and p.deadline == pytest.approx(at + handoff.ORPHAN_LIMIT_S)
+    assert kinds(p) == [StopSuccessor(kill=True), TakeBack] and p.deadline == pytest.approx(at + handoff.ORPHAN_LIMIT_S)
     p.on_timer(at + handoff.ORPHAN_LIMIT_S)
     assert kinds(p) == [RegisterAgain]
 
@@ -137,29 +141,60 @@ def test_a_successor_whose_predecessor_is_gone_registers_and_serves_on(ready):
 
 
 class FakeNode:
+    """What the glue reads of the node, and what it tells it."""
+
     def __init__(self):
-        self.calls, self.handed_off, self.held_ready, self.registered = [], False, False, False
+        self.told, self.handed_off, self.held_ready, self.registered, self.stopping = [], False, False, False, False
+        self.host = None
 
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+    def tell_all(self, now, event):
+        self.told.append(event)
+
+    def release(self, now):
+        self.told.append(Release())
+
+    def begin_stop(self, now, handed_over=False):
+        self.told.append(Stop(handed_over))
 
 
-def test_the_node_side_is_shared_observations_in_and_the_node_s_part_of_each_action_out():
-    node, p = FakeNode(), Predecessor(overlap=False, now=0.0)
-    p.received(0.0, Message.READY)
-    p.take()
-    handoff.observe(0.1, node, p, None)  # kubelet has not let go
-    assert p.phase is Phase.LETTING_GO
+def test_the_glue_shows_the_machines_the_node_and_carries_each_action_to_the_node_or_the_process():
+    node = FakeNode()
+    proc = Process(node)  # type: ignore[arg-type]
+    proc.upgrade(0.0, overlap=False)
+    proc.heard(0.0, Message.READY)
+    proc.upgrade_steps(0.0)
+    assert node.told == [HandOff()] and proc.predecessor.phase is Phase.LETTING_GO
+    proc.upgrade_steps(0.1)  # kubelet has not let go
+    assert proc.predecessor.phase is Phase.LETTING_GO and proc._out == []
     node.handed_off = True
-    handoff.observe(0.2, node, p, None)
-    assert p.phase is Phase.REGISTERING
-    for action, call in ((HandOff(), "hand_off"), (TakeBack("x"), "take_back"), (Release(), "release"),
-                         (RegisterAgain(), "register_again")):
-        handoff.to_node(1.0, node, action)
-        assert node.calls[-1] == (call, (1.0,), {})
-    handoff.to_node(2.0, node, Exit())
-    assert node.calls[-1] == ("begin_stop", (2.0,), {"handed_over": True})
-    n = len(node.calls)
-    for action in (Send(Message.GO), MainPid(), Stop(), BecomeMain()):  # the process's part alone
-        handoff.to_node(3.0, node, action)
-    assert len(node.calls) == n
+    proc.upgrade_steps(0.2)
+    assert proc.predecessor.phase is Phase.REGISTERING and proc._out == [Send(Message.GO)]
+    proc.heard(0.3, Message.REGISTERED)
+    proc.upgrade_steps(0.3)
+    assert proc._out[1:] == [MainPid(), Send(Message.MAIN), Exit()] and node.told[-1] == Stop(handed_over=True)
+
+
+def test_a_take_back_is_the_node_s_and_ready_again_the_process_s():
+    node = FakeNode()
+    proc = Process(node)  # type: ignore[arg-type]
+    proc.upgrade(0.0, overlap=False)
+    proc.heard(0.5, None, "exited with status 3")
+    proc.upgrade_steps(0.5)
+    assert node.told == [TakeBack()] and [type(a) for a in proc._out if not isinstance(a, Say)] == [StopSuccessor, Ready]
+    assert proc.predecessor is None and proc.upgrading is None  # it failed and is gone: we serve on
+
+
+def test_a_successor_is_released_and_becomes_main_through_the_glue():
+    node = FakeNode()
+    proc = Process(node, successor=True)  # type: ignore[arg-type]
+    assert proc.upgrading == "successor"
+    node.held_ready = True
+    proc.upgrade_steps(0.0)
+    proc.heard(0.1, Message.GO)
+    proc.upgrade_steps(0.1)
+    assert node.told == [Release()] and proc._out == [Send(Message.READY)]
+    node.registered = True
+    proc.upgrade_steps(0.2)
+    proc.heard(0.3, Message.MAIN)
+    proc.upgrade_steps(0.3)
+    assert proc._out[1:] == [Send(Message.REGISTERED), BecomeMain()] and proc.upgrading is None

@@ -177,19 +177,6 @@ def test_the_table_names_only_real_states_and_every_state_is_reachable_and_left(
     assert left == set(State) - {State.STOPPED}
 
 
-def test_every_event_has_a_handler_and_every_action_a_performer():
-    events = {m.Serve, m.Unserve, m.Publish, m.Reconfigure, m.Stop, m.CloseAll, m.Release, m.HandOff, m.TakeBack,
-              m.RegisterAgain, m.KubeletCreated, m.KubeletGone,
-              m.SocketDeleted, m.Nudge, m.Bound, m.Placed, m.StreamOpened, m.ListSent, m.StreamEnded,
-              m.StreamRefused, m.RegisterDone, m.Listed, m.ConnectionsCounted}
-    actions = {m.Bind, m.Place, m.SendRegister, m.AskPodResources, m.CountConnections, m.CancelCall, m.EndStreams,
-               m.ResendList, m.CloseSocket, m.Say}
-    named = {v for v in vars(m).values() if isinstance(v, type) and issubclass(v, Record) and v is not Record}
-    assert named == events | actions  # nothing in messages.py is neither
-    assert set(machine_module._HANDLERS) == events
-    assert set(performer._DO) == actions
-
-
 def test_ten_thousand_refused_registers_with_as_many_messages_grow_nothing():
     """kubelet refuses every Register with a message of its own (a failing dial names the
     socket, new at every attempt). The daemon's own Node, Resource and Performer, on the

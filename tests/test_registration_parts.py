@@ -116,7 +116,21 @@ def test_handover_counts_connections_then_confirms_in_pod_resources():
     assert h.on_listing(0.113, Listing.LISTED, 0, True, True) is Verdict.LET_GO
     assert h.phase is Phase.IDLE and h.deadline is None
     said = of(out, m.Say)
-    assert [s.level for s in said] == [logging.DEBUG, logging.DEBUG] and "(confirm)" in said[-1].text
+    assert [s.level for s in said] == [logging.DEBUG, logging.DEBUG] and "(confirm, 3 count(s)" in said[-1].text
+
+
+def test_a_watched_count_sleeps_until_kubelet_hangs_up():
+    """Where the host watches the connections it counted, the wait sets no poll: kubelet's
+    hang-up wakes it to count again, and its limit is the only timer."""
+    out = []
+    book, sid = retiring_book(out)
+    h = Handover(NAME, book, out)
+    h.begin(0.0, Purpose.REGISTER, streaming=True, healthy=True, pod_resources=True)
+    assert h.on_connections(0.001, 2, True, True, watched=True) is Verdict.WAIT
+    assert h.deadline == handover.LIMIT_S and len(of(out, m.CountConnections)) == 1
+    assert h.on_hangup() is Verdict.WAIT and len(of(out, m.CountConnections)) == 2
+    assert h.on_connections(0.3, 0, True, True, watched=True) is Verdict.ASK and h.phase is Phase.CONFIRM
+    assert h.on_hangup() is Verdict.WAIT and len(of(out, m.CountConnections)) == 2  # not counting now: moot
 
 
 def test_handover_gives_up_on_held_connections_at_its_limit_and_says_so():

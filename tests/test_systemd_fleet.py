@@ -138,7 +138,7 @@ def test_a_crash_shows_its_traceback_at_priority_err(node):
         assert "RuntimeError: injected by the test" in json.loads(fields.splitlines()[0])["ATEDEVD_TRACEBACK"], fields
         lines = err_lines()
         trace = lines[lines.index("Traceback (most recent call last):"):]
-        assert any("in on_fs_events" in line for line in trace), lines
+        assert any("in on_directory_events" in line for line in trace), lines
         assert trace.index("RuntimeError: injected by the test") > 0, lines
     finally:
         node.systemctl("stop", "atedevd", check=False)  # first: deleting crash-now would crash it again

@@ -162,14 +162,16 @@ def test_the_running_daemon_imports_nothing_from_disk_once_started(start_daemon,
             "    if event == 'import' and getattr(sys, 'atedevd_started', False):\n"
             "        import os; sys.stderr.write(f'IMPORTED AFTER START by {os.getpid()}: {args[0]}\\n')\n"
             "sys.addaudithook(_audit)\n"
-            "import atedevd.daemon as _d\n"
-            "_real = _d.Daemon._start_work\n"
-            "def _start_work(self):\n"
-            "    _real(self)\n"
+            "import atedevd.daemon as _d, atedevd.process as _p\n"
+            "_real = _d._DO[_p.StartWork]\n"
+            "def _start_work(self, a):\n"
+            "    _real(self, a)\n"
             "    sys.atedevd_started = True\n"
-            "_d.Daemon._start_work = _start_work\n")
+            "    sys.stderr.write('AUDIT ARMED\\n')\n"
+            "_d._DO[_p.StartWork] = _start_work\n")
     d = start_daemon(config=config(tmp_path), launcher=launcher(installed, hook), metrics_dir=str(tmp_path))
     registered(d, kubelet)
+    assert wait_until(lambda: "AUDIT ARMED" in d.log(), 5), d.log()  # the start's deferred work is done
     assert wait_until(lambda: os.path.exists(tmp_path / "atedevd.prom"), 5), d.log()  # metrics written: no tempfile
     kubelet.restart()
     assert kubelet.wait_connected(RESOURCE, registrations=2), d.log()

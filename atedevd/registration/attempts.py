@@ -132,6 +132,28 @@ class Attempts:
         else:
             self.later(now + (0.0 if appeared else self.backoff.next()))
 
+    def defer(self, why: Why) -> None:
+        """A trigger came while a registration is under way: act on it when it ends."""
+        self.redo = why
+
+    def forget_redo(self) -> None:
+        self.redo = None
+
+    def expect_stream(self, by: float) -> None:
+        """Register returned OK: kubelet's ListAndWatch must open by then."""
+        self.verify_by = by
+
+    def stream_seen(self) -> None:
+        """kubelet's stream opened (or is no longer waited for)."""
+        self.verify_by = None
+
+    def next_delay(self) -> float:
+        """The next backoff delay (10 ms, doubling, up to 2 s)."""
+        return self.backoff.next()
+
+    def reset_backoff(self) -> None:
+        self.backoff.reset()
+
     def take_redo(self) -> Optional[Why]:
         why, self.redo = self.redo, None
         return why
@@ -155,10 +177,11 @@ class Attempts:
             self.deadline = now + SLOW_RETRY_S
 
     def clear(self) -> None:
-        self.deadline, self.retry = None, Retry.NONE
+        """No retry due, no stream waited for."""
+        self.deadline, self.retry, self.verify_by = None, Retry.NONE, None
 
     def stop(self) -> None:
         """Nothing more of this registration: the call cancelled, no retry, nothing to verify."""
         self.cancel()
-        self.redo = self.verify_by = None
+        self.redo = None
         self.clear()

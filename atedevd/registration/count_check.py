@@ -56,7 +56,7 @@ class CountCheck:
         self.deadline = now + FIRST_S
 
     def stop(self) -> None:
-        """Not registered any more: nothing to ask until it is again."""
+        """Not registered any more (or the question is being asked): nothing due."""
         self.deadline = None
 
     def registered(self) -> None:

@@ -28,7 +28,7 @@ from atedevd.registration.socket_book import SocketBook
 LIMIT_S = 10.0  # kubelet's own dial timeout; past it we register anyway
 STOP_LIMIT_S = 5.0  # on SIGTERM, wait this long at most (TimeoutStopSec=20s)
 POLL_S = 0.005  # how often pod-resources or our descriptors are looked at while waiting
-FAST_POLL_S = 0.001  # ... our descriptors, at first: a Go kubelet lets go within a millisecond
+FAST_POLL_S = 0.001  # ... our descriptors, at first, where no hang-up can wake us: a Go kubelet lets go within a millisecond
 FIXED_WAIT_S = 0.5  # without pod-resources: how long kubelet is given to let go
 RELIST_LIMIT_S = 2.0  # a fresh device list should make kubelet list us again within this
 RESEND_EVERY_S = 0.5  # ... sent again this often while it does not
@@ -76,6 +76,7 @@ class Handover:
         self._confirm_until = 0.0
         self._no_signal = False  # kubelet never listed the retiring socket: its teardown cannot show
         self._held_said = False
+        self._counts = 0  # CountConnections asked for in this wait
 
     @property
     def waiting(self) -> bool:
@@ -92,6 +93,7 @@ class Handover:
         self._relist_until = now + RELIST_LIMIT_S
         self._fixed_until = self._resent_at = None
         self._held_said = self._no_signal = False
+        self._counts = 0
         if self.connections_visible:
             self._end()
             self.phase = Phase.CONNECTIONS
@@ -119,9 +121,16 @@ class Handover:
         self.deadline = None
         return self._step(now, healthy, pod_resources)
 
+    def on_hangup(self) -> Verdict:
+        """kubelet hung up a connection it held to a retiring socket: count again."""
+        if self.phase is Phase.CONNECTIONS:
+            self._count()
+        return Verdict.WAIT
+
     def on_connections(self, now: float, held: Optional[int], healthy: bool,
-                       pod_resources: Optional[bool]) -> Verdict:
-        """Kubelet's connections to the retiring sockets (None: they cannot be seen)."""
+                       pod_resources: Optional[bool], watched: bool = False) -> Verdict:
+        """Kubelet's connections to the retiring sockets (None: they cannot be seen);
+        `watched`: a hang-up of one of them wakes us."""
         if self.phase is not Phase.CONNECTIONS:
             return Verdict.WAIT
         if held is None:  # cannot be seen after all: kubelet's count alone, from now on
@@ -133,9 +142,10 @@ class Handover:
                 self._held_said = True
                 self._say(logging.DEBUG, "let-go", f"{self.name}: kubelet holds {held} connection(s) to our old socket; waiting for it to let go")
             if now < self._until:
-                # Counting our own descriptors costs ~0.1 ms: every millisecond at first, then
-                # backing off to POLL_S (a kubelet slow to let go is not watched at 1 kHz for 10 s).
-                self.deadline = now + min(POLL_S, max(FAST_POLL_S, (now - self._begun) / 4))
+                if watched:  # a hang-up wakes us to count again (and a connection made since shows then)
+                    self.deadline = self._until
+                else:  # counting costs ~0.1 ms: every millisecond at first, backing off to POLL_S
+                    self.deadline = now + min(POLL_S, max(FAST_POLL_S, (now - self._begun) / 4))
                 return Verdict.WAIT
             self._say(logging.WARNING, "let-go-timeout", f"{self.name}: kubelet still holds {held} connection(s) to our old socket after {now - self._begun:.0f} s; {self._going_on()} anyway")
             return self.done(now)
@@ -188,7 +198,8 @@ class Handover:
     def done(self, now: float) -> Verdict:
         """kubelet let go (or the wait ran out): the retiring sockets' streams are ended."""
         self.deadline = None
-        self._say(logging.DEBUG, "let-go", f"{self.name}: kubelet let go of our old socket after {(now - self._begun) * 1000:.0f} ms ({self.phase.value})")
+        counted = f", {self._counts} count(s) of its connections" if self._counts else ""
+        self._say(logging.DEBUG, "let-go", f"{self.name}: kubelet let go of our old socket after {(now - self._begun) * 1000:.0f} ms ({self.phase.value}{counted})")
         self._end()
         self.phase = Phase.IDLE
         return Verdict.LET_GO
@@ -216,7 +227,7 @@ class Handover:
             self.phase = Phase.IDLE
             return Verdict.LET_GO
         if self.phase is Phase.CONNECTIONS:
-            self._out.append(CountConnections(tuple(self.book.retiring)))
+            self._count()
             return Verdict.WAIT
         if self.phase is Phase.UNLISTED and (pod_resources is False or not healthy or self._no_signal):
             self._fixed_wait(now)  # kubelet's count cannot show the teardown
@@ -224,6 +235,10 @@ class Handover:
         if self.phase is Phase.CONFIRM and (pod_resources is False or not healthy):
             return self.done(now)
         return Verdict.ASK
+
+    def _count(self) -> None:
+        self._counts += 1
+        self._out.append(CountConnections(tuple(self.book.retiring)))
 
     def _fixed_wait(self, now: float) -> None:
         self._end()

@@ -23,7 +23,7 @@ kubelet opens ListAndWatch and, where it can be asked, counts our devices.
 """
 
 import logging
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from atedevd.registration import messages as m
 from atedevd.registration.attempts import SLOW_RETRY_S, Retry
@@ -32,6 +32,7 @@ from atedevd.registration.messages import Listing, Outcome, State, Timer, Why
 from atedevd.registration.moves import (HANDED, IDLE, LETTING, SERVED, STREAMING, TRANSITIONS, VERIFY_S,
                                         InvalidTransition, Moves)
 from atedevd.registration.questions import Question
+from atedevd.registration.report import Report
 
 WARNING, INFO = logging.WARNING, logging.INFO
 
@@ -71,7 +72,8 @@ class Registration:
 
     # --- for the performer ---------------------------------------------------------------
 
-    def handle(self, now: float, event) -> None:
+    def handle(self, now: float, event: m.Event) -> None:
+        self.moves.cause = type(event)
         _HANDLERS[type(event)](self, now, event)
 
     def take(self) -> list:
@@ -96,26 +98,57 @@ class Registration:
 
     def handle_timer(self, now: float) -> None:
         """Whatever is due, each timer looked at in turn (one may set or stop another)."""
-        for _, deadline, fire in _TIMERS:
+        for timer, deadline, fire in _TIMERS:
             at = deadline(self)
             if at is not None and at <= now:
+                self.moves.cause = timer
                 fire(self, now)
 
     @property
     def stopped(self) -> bool:
         return self.moves.state in (State.STOPPED, State.UNSERVED)
 
+    # --- queries -------------------------------------------------------------------------
+
+    def held_sockets(self) -> List[int]:
+        """The sockets kubelet may hold: the current one and those retiring."""
+        return self.book.held()
+
+    @property
+    def standby_ready(self) -> bool:
+        """The next registration's socket is serving (or none is possible)."""
+        return not self.moves.standby_possible or self.book.is_bound(self.book.standby)
+
+    def unseen_registrations(self) -> List[int]:
+        """Sockets named in a Register that kubelet may still be completing, and whose
+        teardown nothing could show: the one in flight, and the current one until
+        pod-resources has listed our devices."""
+        call, current = self.attempts.call, self.book.current
+        return ([call.sid] if call is not None else []) + \
+            ([current] if current is not None and not self.book.listed_seen else [])
+
+    def shown(self) -> tuple:
+        """What its report shows: it changed when this did (cheaper to compare than the report)."""
+        mv = self.moves
+        return mv.state, mv.units, mv.healthy_units, self.check.kubelet_count, self.tally.shown()
+
+    def report(self, device_path: str, pattern: bool, advertised: bool, registers_sent: int,
+               allocate_calls: int, allocate_failures: int) -> Report:
+        """This registration as `STATUS=` and the metrics show it, with its resource's figures."""
+        served = self.state not in (State.UNSERVED, State.STOPPED)
+        return self.tally.report(self.state, self.changed_at, device_path, pattern, advertised,
+                                 self.units if served else 0, self.healthy_units if served else 0,
+                                 self.check.kubelet_count, registers_sent, allocate_calls, allocate_failures)
+
     # --- events: the node and the daemon -------------------------------------------------
 
     def _serve(self, now: float, e: m.Serve) -> None:
         if self.moves.state is not State.UNSERVED:
             return
-        self.moves.kubelet_up = e.kubelet_up
-        if e.kubelet_at is not None:
-            self.moves.kubelet_at = e.kubelet_at
+        self.moves.kubelet_seen(e.kubelet_up, e.kubelet_at)
         self.moves.move(State.WAITING, now)
         if e.held:  # a successor: its predecessor says when (no earlier instance to wait for)
-            self.moves.held, self.moves.first_why = True, Why.UPGRADE
+            self.moves.hold()
         elif e.kubelet_up:
             self.questions.ask(Question.START)  # a previous instance's teardown may be pending
         if self.moves.standby_possible:
@@ -131,7 +164,7 @@ class Registration:
         self.moves.move(State.UNSERVED, now)
 
     def _publish(self, now: float, e: m.Publish) -> None:
-        self.moves.units, self.moves.healthy_units = e.units, e.healthy_units
+        self.moves.advertise(e.units, e.healthy_units)
         if self.moves.state is State.REGISTERED:  # kubelet's count follows: look again soon, afresh
             if self.questions.asked is Question.CHECK:
                 self.questions.cancel()  # its answer may predate the new list: no verdict on it
@@ -139,7 +172,7 @@ class Registration:
                 self.check.soon(now)
 
     def _reconfigure(self, now: float, e: m.Reconfigure) -> None:
-        self.moves.units, self.moves.healthy_units = e.units, e.healthy_units
+        self.moves.advertise(e.units, e.healthy_units)
         self.book.close(self.book.standby)  # it serves the old table
         if self.moves.state in IDLE or self.moves.state in HANDED:
             return
@@ -155,13 +188,7 @@ class Registration:
             return
         # A Register in flight is not cancelled: kubelet goes on with it whatever we do, so
         # its outcome is waited for (bounded) and its socket let go of like the others.
-        self.questions.cancel()
-        self.book.close(self.book.placing)
-        self.book.close(self.book.standby)
-        streaming = self.book.retire_current()
-        self.moves.stop_timers()
-        self.moves.serve_at = self.book.deadline = self.tally.deadline = None
-        self.moves.move(State.STOPPING, now)
+        streaming = self.moves.wind_down(now, State.STOPPING)
         waits_for = self.attempts.call is not None or (self.book.known_retiring() and not e.handed_over)
         if not self.moves.kubelet_up or not waits_for:
             self.moves.finish_stop(now)
@@ -169,8 +196,7 @@ class Registration:
         self.moves.hand_over(now, Purpose.STOP, streaming)
 
     def _release(self, now: float, e: m.Release) -> None:
-        if self.moves.held:
-            self.moves.held = False
+        if self.moves.release():
             if self.moves.state is State.WAITING:
                 self.moves.try_start(now)
 
@@ -178,11 +204,7 @@ class Registration:
         """Like a stop, but the standby stays: if the successor fails, we register again on it."""
         if self.moves.state not in SERVED:
             return
-        self.questions.cancel()
-        self.book.close(self.book.placing)
-        streaming = self.book.retire_current()
-        self.moves.stop_timers()
-        self.moves.move(State.HANDING_OFF, now)
+        streaming = self.moves.wind_down(now, State.HANDING_OFF)
         if not self.moves.kubelet_up or not (self.book.known_retiring() or self.attempts.call is not None):
             self.moves.handed_off(now)
             return
@@ -193,24 +215,11 @@ class Registration:
             self.moves.attempt(now, Why.TAKEN_BACK)
 
     def _take_back(self, now: float, e: m.TakeBack) -> None:
-        """As a start after an earlier instance: the successor may have registered before it
-        failed, and kubelet (<= 1.36) would tear down by name whatever we register before it
-        let go of the successor's endpoint; what kubelet lists says when."""
-        if self.moves.state not in HANDED:
-            return
-        self.handover.cancel()
-        self.questions.cancel()
-        self.book.close_retiring()  # (handing off, a Register of ours in flight: kubelet's let go shows below)
-        self.moves.move(State.WAITING, now)
-        self.tally.lost(now)
-        self.moves.first_why = Why.TAKEN_BACK
-        if self.moves.kubelet_up:
-            self.questions.ask(Question.START)
-        self.moves.try_start(now)
+        if self.moves.state in HANDED:
+            self.moves.take_back(now)
 
     def _close(self, now: float, e: m.CloseAll) -> None:
-        self.moves.close_all()
-        self.moves.move(State.STOPPED, now)
+        self.moves.closed(now)
 
     # --- events: kubelet's directory ---------------------------------------------------
 
@@ -219,7 +228,7 @@ class Registration:
         ours kubelet may hold is still there, kubelet restarted: the new one has no client
         of ours that a late teardown could confuse, so no waiting. If one is still there,
         the same kubelet re-created its socket and still holds our client."""
-        self.moves.kubelet_up, self.moves.kubelet_at = True, e.at
+        self.moves.kubelet_seen(True, e.at)
         if self.moves.state in IDLE:
             return
         restarted = not e.ours_present
@@ -235,15 +244,15 @@ class Registration:
         if self.moves.state in STREAMING:
             how = "kubelet restarted" if restarted else "kubelet serves a new kubelet.sock"
             self.tally.lost(now, INFO, "kubelet-restarted", f"{how}; registering again")
-        self.attempts.redo = None
-        self.attempts.backoff.reset()
+        self.attempts.forget_redo()
+        self.attempts.reset_backoff()
         if restarted:
             for sid in self.book.held():
                 self.book.deleted(sid)
         self.moves.attempt(now, Why.KUBELET_RESTARTED if restarted else Why.NEW_KUBELET_SOCKET, wait=not restarted)
 
     def _kubelet_gone(self, now: float, e: m.KubeletGone) -> None:
-        self.moves.kubelet_up = False
+        self.moves.kubelet_seen(False)
         if self.moves.state is State.WAITING:
             self.attempts.slow(now)
 
@@ -256,7 +265,7 @@ class Registration:
         if e.sid != self.book.current:
             return
         if self.moves.state is State.REGISTERING:
-            self.attempts.redo = Why.SOCKET_DELETED
+            self.attempts.defer(Why.SOCKET_DELETED)
         elif self.moves.state in STREAMING:
             self.tally.lost(now, INFO, "socket-deleted", "our socket was deleted; registering again")
             self.moves.attempt(now, Why.SOCKET_DELETED)
@@ -282,7 +291,7 @@ class Registration:
         if e.sid == self.book.placing:
             self.moves.placed(now, e.sid)
         elif e.sid == self.book.standby:
-            self.tally.serve_error = self.tally.standby_error = None
+            self.tally.serving()
             if self.moves.state is State.WAITING and self.book.current is None:
                 self.moves.try_start(now)
 
@@ -315,18 +324,18 @@ class Registration:
     def _stream_ended(self, now: float, e: m.StreamEnded) -> None:
         if e.sid != self.book.current:
             return  # an old socket's stream, already handed over
-        self.book.streaming = False
+        self.book.stream_ended()
         if self.moves.state is State.REGISTERING:
-            self.attempts.redo = Why.STREAM_ENDED
+            self.attempts.defer(Why.STREAM_ENDED)
         elif self.moves.state in STREAMING:
             self.tally.lost(now, INFO, "stream-ended", "kubelet ended our ListAndWatch stream; registering again")
             at = self.tally.registered_at
             if at is not None and now - at >= STABLE_AFTER_S:
-                self.attempts.backoff.reset()
+                self.attempts.reset_backoff()
                 self.moves.attempt(now, Why.STREAM_ENDED)
             else:  # no hammering a kubelet that keeps ending it
                 self.moves.waiting(now, "kubelet ended our stream")
-                self.attempts.later(now + self.attempts.backoff.next(), why=Why.STREAM_ENDED)
+                self.attempts.later(now + self.attempts.next_delay(), why=Why.STREAM_ENDED)
 
     def _stream_refused(self, now: float, e: m.StreamRefused) -> None:
         self.tally.stream_refused(now, e.where or str(e.sid), e.limit)
@@ -352,7 +361,7 @@ class Registration:
             if self.book.streaming:
                 self.moves.verified(now)
             else:
-                self.attempts.verify_by = now + VERIFY_S
+                self.attempts.expect_stream(now + VERIFY_S)
             return
         current = self.book.current
         refused = e.outcome is Outcome.REFUSED
@@ -363,7 +372,7 @@ class Registration:
     def _listed(self, now: float, e: m.Listed) -> None:
         question = self.questions.answered(now, e)
         if question is not Question.START and e.listing is Listing.LISTED and e.count > 0:
-            self.book.listed_seen = True
+            self.book.saw_listing()
         if question is Question.START:
             self.moves.start_answer(now, e)
         elif question is Question.HANDOVER:
@@ -377,7 +386,12 @@ class Registration:
 
     def _connections_counted(self, now: float, e: m.ConnectionsCounted) -> None:
         if self.moves.state in LETTING:
-            self.moves.after_handover(now, self.handover.on_connections(now, e.held, self.moves.healthy_units > 0, self.questions.served))
+            self.moves.after_handover(now, self.handover.on_connections(
+                now, e.held, self.moves.healthy_units > 0, self.questions.served, e.watched))
+
+    def _hung_up(self, now: float, e: m.HungUp) -> None:
+        if self.moves.state in LETTING:
+            self.handover.on_hangup()
 
     # --- timers ------------------------------------------------------------------------------
 
@@ -398,13 +412,13 @@ class Registration:
         self.book.on_timer(self.moves.state not in IDLE and self.moves.standby_possible)
 
     def _timer_serve(self, now: float) -> None:
-        self.moves.serve_at = None
+        self.moves.cancel_serve()
         if self.moves.state is State.UNSERVED:  # binding failed: a directory made writable raises no event
             self._serve(now, m.Serve(self.moves.kubelet_up))
 
     def _timer_verify(self, now: float) -> None:
         """kubelet accepted Register but opened no stream: register again."""
-        self.attempts.verify_by = None
+        self.attempts.stream_seen()
         if self.moves.state is State.VERIFYING:
             self.tally.lost(now, WARNING, "not-watched", f"kubelet accepted the registration but opened no ListAndWatch within {VERIFY_S:.0f} s; registering again")
             self.moves.move(State.WAITING, now)
@@ -417,7 +431,7 @@ class Registration:
             self.handover.cancel()
 
     def _timer_check(self, now: float) -> None:
-        self.check.deadline = None
+        self.check.stop()
         if self.moves.state is State.REGISTERED and self.questions.asked is Question.NONE:
             self.questions.ask(Question.CHECK)
 
@@ -452,5 +466,5 @@ _HANDLERS = {
     m.StreamOpened: Registration._stream_opened, m.ListSent: Registration._list_sent,
     m.StreamEnded: Registration._stream_ended, m.StreamRefused: Registration._stream_refused,
     m.RegisterDone: Registration._register_done, m.Listed: Registration._listed,
-    m.ConnectionsCounted: Registration._connections_counted,
+    m.ConnectionsCounted: Registration._connections_counted, m.HungUp: Registration._hung_up,
 }

@@ -94,10 +94,18 @@ class Timer(enum.Enum):
     WARN = "warn"  # still not registered: say so
 
 
+class Event(Record):
+    """What happened: every event the machine takes (`Registration.handle`) is one."""
+
+
+class Action(Record):
+    """What to do: every action the machine asks for (`Registration.take`) is one."""
+
+
 # --- events: what happened --------------------------------------------------------------
 
 
-class Serve(Record):
+class Serve(Event):
     """The device is advertised and the plugin directory exists. `kubelet_at`: when the
     kubelet.sock there now appeared, if one is there. `held`: a successor's, bound but not
     registered until `Release` (its predecessor still serves)."""
@@ -107,31 +115,31 @@ class Serve(Record):
     held: bool = False
 
 
-class Release(Record):
+class Release(Event):
     """A successor's: its predecessor let go (or registers beside it): register now."""
 
 
-class HandOff(Record):
+class HandOff(Event):
     """A predecessor's: a successor is ready; end our streams, wait until kubelet let go."""
 
 
-class TakeBack(Record):
+class TakeBack(Event):
     """A predecessor's: the successor failed; register again."""
 
 
-class RegisterAgain(Record):
+class RegisterAgain(Event):
     """A predecessor's, some time after a take-back: a Register of the failed successor may
     have reached kubelet (<= 1.36) after ours, unseen, and stopped our endpoint by name when
     it was torn down; a registration of ours made after that is safe."""
 
 
-class Unserve(Record):
+class Unserve(Event):
     """The plugin directory is gone: nothing can be served until it is back."""
 
     why: str
 
 
-class Publish(Record):
+class Publish(Event):
     """A new device table went to our sockets: `units`, `healthy_units` of them Healthy. kubelet
     learns it on the open stream: no new registration."""
 
@@ -139,14 +147,14 @@ class Publish(Record):
     healthy_units: int
 
 
-class Reconfigure(Record):
+class Reconfigure(Event):
     """The resource's configuration changed on reload: serve it anew, handing over."""
 
     units: int
     healthy_units: int
 
 
-class Stop(Record):
+class Stop(Event):
     """SIGTERM: end our streams and wait until kubelet has let go of them (bounded).
     `handed_over`: the exit after an upgrade, our successor registered: what kubelet lists
     is its, and nothing of ours can undo its registration (kubelet had let go of us, or
@@ -155,11 +163,11 @@ class Stop(Record):
     handed_over: bool = False
 
 
-class CloseAll(Record):
+class CloseAll(Event):
     """Stop every socket now (exit, or the resource is no longer configured)."""
 
 
-class KubeletCreated(Record):
+class KubeletCreated(Event):
     """A new kubelet.sock, created at `at`. `ours_present`: a socket of ours kubelet may
     hold is still in the directory (a starting kubelet deletes them all first)."""
 
@@ -167,53 +175,53 @@ class KubeletCreated(Record):
     ours_present: bool
 
 
-class KubeletGone(Record):
+class KubeletGone(Event):
     """kubelet.sock was deleted."""
 
 
-class SocketDeleted(Record):
+class SocketDeleted(Event):
     """A socket file of ours was deleted (kubelet's wipe, or someone else)."""
 
     sid: int
 
 
-class Nudge(Record):
+class Nudge(Event):
     """News from kubelet's directory: a retry that waits may go now."""
 
 
-class Bound(Record):
+class Bound(Event):
     """The outcome of `Bind`: None, or the error."""
 
     sid: int
     error: Optional[str] = None
 
 
-class Placed(Record):
+class Placed(Event):
     """The outcome of `Place`: None, or the error."""
 
     sid: int
     error: Optional[str] = None
 
 
-class StreamOpened(Record):
+class StreamOpened(Event):
     """kubelet opened its ListAndWatch stream on `sid`."""
 
     sid: int
 
 
-class ListSent(Record):
+class ListSent(Event):
     """kubelet has `sid`'s first device list (gRPC asked for the next message)."""
 
     sid: int
 
 
-class StreamEnded(Record):
+class StreamEnded(Event):
     """kubelet ended its ListAndWatch stream on `sid` (not we)."""
 
     sid: int
 
 
-class StreamRefused(Record):
+class StreamRefused(Event):
     """A ListAndWatch stream beyond the resource's budget was refused."""
 
     sid: int
@@ -221,7 +229,7 @@ class StreamRefused(Record):
     where: str
 
 
-class RegisterDone(Record):
+class RegisterDone(Event):
     """The outcome of `SendRegister` `cid`; `error`: kubelet's words, when not OK."""
 
     cid: int
@@ -229,7 +237,7 @@ class RegisterDone(Record):
     error: str = ""
 
 
-class Listed(Record):
+class Listed(Event):
     """The outcome of `AskPodResources` `cid`: how many of our devices kubelet lists."""
 
     cid: int
@@ -237,73 +245,80 @@ class Listed(Record):
     count: int = 0
 
 
-class ConnectionsCounted(Record):
+class ConnectionsCounted(Event):
     """The outcome of `CountConnections`: kubelet's connections still open to those
-    sockets, None when our descriptors cannot show them."""
+    sockets, None when our descriptors cannot show them. `watched`: the host wakes us
+    with `HungUp` when kubelet hangs one of them up."""
 
     held: Optional[int]
+    watched: bool = False
+
+
+class HungUp(Event):
+    """kubelet hung up a connection to a socket whose connections were counted (the host
+    watches the ones it counted): count again."""
 
 
 # --- actions: what to do ------------------------------------------------------------------
 
 
-class Bind(Record):
+class Bind(Action):
     """Serve a new socket: in the standby directory, or in kubelet's directory."""
 
     sid: int
     standby: bool
 
 
-class Place(Record):
+class Place(Action):
     """Rename the standby socket into kubelet's directory."""
 
     sid: int
 
 
-class SendRegister(Record):
+class SendRegister(Action):
     """Register the socket `sid` with kubelet; the outcome comes back as `RegisterDone`."""
 
     cid: int
     sid: int
 
 
-class AskPodResources(Record):
+class AskPodResources(Action):
     """Ask pod-resources how many of our devices kubelet lists: `Listed`."""
 
     cid: int
 
 
-class CountConnections(Record):
+class CountConnections(Action):
     """Count kubelet's open connections to these sockets: `ConnectionsCounted`."""
 
     sids: Tuple[int, ...]
 
 
-class CancelCall(Record):
+class CancelCall(Action):
     """Cancel a call; its outcome, if it still comes, is ignored."""
 
     cid: int
 
 
-class EndStreams(Record):
+class EndStreams(Action):
     """End the ListAndWatch streams on `sid`."""
 
     sid: int
 
 
-class ResendList(Record):
+class ResendList(Action):
     """Send the device list again on `sid`'s streams."""
 
     sid: int
 
 
-class CloseSocket(Record):
+class CloseSocket(Action):
     """Stop serving `sid` and remove its socket file."""
 
     sid: int
 
 
-class Say(Record):
+class Say(Action):
     """A journal line; `once`: a key said at most once per daemon."""
 
     level: int

@@ -10,13 +10,13 @@ needs: what is advertised, what is known of kubelet, and the parts
 """
 
 import itertools
-from typing import Optional
+from typing import Optional, Set, Tuple, Type, Union
 
 from atedevd.registration import messages as m
 from atedevd.registration.attempts import SLOW_RETRY_S, Attempts
 from atedevd.registration.count_check import CountCheck
 from atedevd.registration.handover import Handover, Purpose, Verdict
-from atedevd.registration.messages import Listing, State, Why
+from atedevd.registration.messages import Listing, State, Timer, Why
 from atedevd.registration.questions import Question, Questions
 from atedevd.registration.report import Tally
 from atedevd.registration.socket_book import SocketBook
@@ -35,10 +35,13 @@ LETTING = (State.LETTING_GO, State.STOPPING, State.HANDING_OFF)
 # Every move the machine makes, and on what. `Moves.move` refuses any other.
 TRANSITIONS = (
     (State.UNSERVED, State.WAITING, "the device is advertised and the plugin directory exists"),
+    (State.WAITING, State.WAITING, "still waiting, for a new reason: kubelet.sock is not there, or not listened on"),
     (State.WAITING, State.REGISTERING, "a socket is ready and kubelet serves, or a retry is due"),
     (State.WAITING, State.LETTING_GO, "at start kubelet lists an earlier instance; a retry hands over"),
     (State.LETTING_GO, State.REGISTERING, "kubelet let go of our old socket"),
+    (State.LETTING_GO, State.LETTING_GO, "a new trigger while kubelet lets go (a new kubelet.sock, a take-back's second registration): the wait begins anew"),
     (State.LETTING_GO, State.WAITING, "pod-resources refused: kubelet is down"),
+    (State.REGISTERING, State.REGISTERING, "the socket is in place: Register is sent; or kubelet restarted meanwhile: anew"),
     (State.REGISTERING, State.VERIFYING, "Register returned OK"),
     (State.REGISTERING, State.WAITING, "Register refused or failed"),
     (State.REGISTERING, State.LETTING_GO, "Register returned OK, but a trigger came meanwhile"),
@@ -54,9 +57,14 @@ TRANSITIONS = (
     *((s, State.WAITING, "the successor failed: we register again") for s in HANDED),
     *((s, State.UNSERVED, "the plugin directory is gone, or a socket cannot be served") for s in (*SERVED, *HANDED)),
     *((s, State.STOPPING, "SIGTERM, or the successor is main") for s in (*SERVED, *HANDED)),
-    *((s, State.STOPPED, "closed") for s in (State.UNSERVED, *SERVED, *HANDED, State.STOPPING)),
+    (State.UNSERVED, State.STOPPED, "SIGTERM while nothing is served"),
+    (State.STOPPING, State.STOPPED, "kubelet let go of our streams (or the wait's limit passed)"),
 )
 _ALLOWED = {(a, b) for a, b, _ in TRANSITIONS}
+# And one move from any state, outside the table: CloseAll (the resource is no longer
+# configured, or the process exits) stops every socket of it, whatever it was doing.
+CLOSED = "closed: no longer configured, or the process exits"
+Cause = Union[Type[m.Event], Timer]  # what made a move: an event's type, or a timer
 
 
 class InvalidTransition(Exception):
@@ -75,6 +83,8 @@ class Moves:
         self.standby_possible = standby_possible  # False where the standby path would be too long
         self.state = State.UNSERVED
         self.changed_at = 0.0  # when `state` last changed
+        self.cause: Optional[Cause] = None  # the event or timer being handled
+        self.taken: Set[Tuple[State, State, Optional[Cause]]] = set()  # every move made, and on what
         self.kubelet_up = False
         self.kubelet_at: Optional[float] = None  # when the newest kubelet.sock appeared
         self.why = Why.FIRST  # why the registration under way was begun
@@ -90,12 +100,38 @@ class Moves:
         self.questions = Questions(self.actions, cids)
         self.check = CountCheck(name, self.actions)
 
+    # --- what the machine learns ----------------------------------------------------------
+
+    def kubelet_seen(self, up: bool, at: Optional[float] = None) -> None:
+        """kubelet.sock is there (made at `at`, when known) or not."""
+        self.kubelet_up = up
+        if at is not None:
+            self.kubelet_at = at
+
+    def hold(self) -> None:
+        """A successor's: serve, but register only once released (its first is an upgrade's)."""
+        self.held, self.first_why = True, Why.UPGRADE
+
+    def release(self) -> bool:
+        """Released from holding; whether it was held."""
+        held, self.held = self.held, False
+        return held
+
+    def advertise(self, units: int, healthy_units: int) -> None:
+        self.units, self.healthy_units = units, healthy_units
+
+    def cancel_serve(self) -> None:
+        self.serve_at = None
+
+    # --- moves ---------------------------------------------------------------------------
+
     def move(self, state: State, now: float) -> None:
-        if state is self.state:
-            return
+        """To `state`, if TRANSITIONS has the move (a move to the same state too)."""
         if (self.state, state) not in _ALLOWED:
             raise InvalidTransition(f"{self.name}: {self.state.value} -> {state.value} is not in TRANSITIONS")
-        self.state, self.changed_at = state, now
+        self.taken.add((self.state, state, self.cause))
+        if state is not self.state:
+            self.state, self.changed_at = state, now
 
     def try_start(self, now: float) -> None:
         """Start-up: register once a socket is ready and pod-resources has answered."""
@@ -127,12 +163,12 @@ class Moves:
         """Register on a fresh socket. First the socket kubelet knew retires and, unless
         kubelet restarted (`wait` False), kubelet is given time to let go of it."""
         if self.attempts.call is not None or self.book.placing is not None:
-            self.attempts.redo = why  # one Register in flight per resource
+            self.attempts.defer(why)  # one Register in flight per resource
             return
         if wait and self.state is State.VERIFYING and not self.book.streaming:
             # kubelet has a client for this socket whose stream is still to come; retiring it
             # now would leave that stream's teardown, by name, to land on the next one.
-            self.attempts.redo = why  # acted on once verified, or when the verify timer runs out
+            self.attempts.defer(why)  # acted on once verified, or when the verify timer runs out
             return
         self.stop_timers()
         self.questions.cancel(unless=Question.START)
@@ -180,6 +216,43 @@ class Moves:
         self.book.close_retiring()
         self.move(State.HANDED_OFF, now)
 
+    def wind_down(self, now: float, state: State) -> bool:
+        """A stop (STOPPING) or a hand-off (HANDING_OFF): nothing more is begun and the current
+        socket retires; whether kubelet was streaming from it. A hand-off keeps the standby
+        and its timers: if the successor fails, we register again on it."""
+        self.questions.cancel()
+        self.book.close(self.book.placing)
+        if state is State.STOPPING:
+            self.book.close(self.book.standby)
+        streaming = self.book.retire_current()
+        self.stop_timers()
+        if state is State.STOPPING:
+            self.cancel_serve()
+            self.book.cancel_timer()
+            self.tally.cancel_timer()
+        self.move(state, now)
+        return streaming
+
+    def take_back(self, now: float) -> None:
+        """The successor failed: as a start after an earlier instance. It may have registered
+        before it failed, and kubelet (<= 1.36) would tear down by name whatever we register
+        before it let go of the successor's endpoint; what kubelet lists says when."""
+        self.handover.cancel()
+        self.questions.cancel()
+        self.book.close_retiring()  # (handing off, a Register of ours in flight: kubelet's let go shows below)
+        self.move(State.WAITING, now)
+        self.tally.lost(now)
+        self.first_why = Why.TAKEN_BACK
+        if self.kubelet_up:
+            self.questions.ask(Question.START)
+        self.try_start(now)
+
+    def closed(self, now: float) -> None:
+        """CloseAll, from any state (CLOSED): nothing served, nothing in flight."""
+        self.close_all()
+        self.taken.add((self.state, State.STOPPED, self.cause))
+        self.state, self.changed_at = State.STOPPED, now
+
     def finish_stop(self, now: float) -> None:
         self.close_all()
         self.move(State.STOPPED, now)
@@ -194,7 +267,7 @@ class Moves:
         self.move(State.REGISTERING, now)
 
     def verified(self, now: float) -> None:
-        self.attempts.verify_by = None
+        self.attempts.stream_seen()
         self.move(State.REGISTERED, now)
         self.tally.verified(now, self.units, self.device_path)
         self.check.registered()
@@ -215,7 +288,6 @@ class Moves:
     def stop_timers(self) -> None:
         """Every timer stops but serving's and the warning's: what a new registration would set anew."""
         self.attempts.clear()
-        self.attempts.verify_by = None
         self.handover.cancel()
         self.check.stop()
 
@@ -226,7 +298,8 @@ class Moves:
         self.book.close_all()
         self.handover.cancel()
         self.check.stop()
-        self.book.deadline = self.tally.deadline = None
+        self.book.cancel_timer()
+        self.tally.cancel_timer()
 
     def placed(self, now: float, sid: int) -> None:
         self.attempts.placed(now, sid)
@@ -236,4 +309,4 @@ class Moves:
         self.close_all()
         self.move(State.UNSERVED, now)
         self.tally.serve_failed(error)
-        self.serve_at = now + self.attempts.backoff.next()
+        self.serve_at = now + self.attempts.next_delay()

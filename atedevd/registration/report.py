@@ -25,6 +25,7 @@ class Tally:
         self._out = out
         self.registrations = 0  # accepted and verified
         self.begun: Dict[Why, int] = {}  # registrations begun, by why
+        self.begun_total = 0
         self.registered_at: Optional[float] = None
         self.lost_at: Optional[float] = None  # the registration was lost then; not yet back
         self.last_error: Optional[str] = None
@@ -39,6 +40,7 @@ class Tally:
 
     def begin(self, why: Why) -> None:
         self.begun[why] = self.begun.get(why, 0) + 1
+        self.begun_total += 1
         said = f"retry: {self.last_error}" if why is Why.RETRY and self.last_error else why.text
         self._say(logging.DEBUG, "registering", f"registering ({said})")
 
@@ -78,6 +80,18 @@ class Tally:
         else:
             self._say(logging.INFO, "reregistered", "registered again with kubelet")
 
+    def shown(self) -> tuple:
+        """What the report shows of it: it changed when this did."""
+        return (self.registrations, self.begun_total, self.refused_streams, self.last_error, self.failing_since,
+                self.serve_error, self.last_reregistration)
+
+    def cancel_timer(self) -> None:
+        self.deadline = None
+
+    def serving(self) -> None:
+        """A socket was bound: whatever could not be served is served now."""
+        self.serve_error = self.standby_error = None
+
     def serve_failed(self, error: str) -> None:
         """A socket cannot be served (retried on every wake-up: said once, until it can)."""
         text = f"{self.name}: cannot serve {error}"
@@ -106,6 +120,18 @@ class Tally:
             return
         self._say(logging.WARNING, "still-unregistered", f"not registered with kubelet for {now - self.failing_since:.0f} s: {self.last_error}")
         self.deadline = now + WARN_EVERY_S
+
+    def report(self, state: State, changed_at: float, device_path: str, pattern: bool, advertised: bool, units: int,
+               healthy_units: int, kubelet_count: Optional[int], registers_sent: int, allocate_calls: int,
+               allocate_failures: int) -> "Report":
+        """The report of its resource, with what the registration and the resource know."""
+        return Report(
+            name=self.name, device_path=device_path, pattern=pattern, state=state, changed_at=changed_at,
+            advertised=advertised, units=units, healthy_units=healthy_units, kubelet_count=kubelet_count,
+            registrations=self.registrations, begun=dict(self.begun), registers_sent=registers_sent,
+            allocate_calls=allocate_calls, allocate_failures=allocate_failures, refused_streams=self.refused_streams,
+            last_error=self.last_error, failing_since=self.failing_since, serve_error=self.serve_error,
+            last_reregistration=self.last_reregistration)
 
     def _say(self, level: int, kind: str, text: str) -> None:
         self._out.append(Say(level, kind, f"{self.name}: {text}"))

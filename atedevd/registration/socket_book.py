@@ -54,6 +54,9 @@ class SocketBook:
         """Bind the next standby then (unless one is there by then)."""
         self.deadline = at
 
+    def cancel_timer(self) -> None:
+        self.deadline = None
+
     def on_timer(self, serving: bool) -> None:
         self.deadline = None
         if serving and self.standby is None:
@@ -158,6 +161,15 @@ class SocketBook:
             s.streaming = True
         return s.ended
 
+    def stream_ended(self) -> None:
+        """kubelet ended its stream on the current socket."""
+        if self.current is not None:
+            self._socks[self.current].streaming = False
+
+    def saw_listing(self) -> None:
+        """pod-resources listed our devices since the current socket was placed."""
+        self.listed_seen = True
+
     def reached_kubelet(self, sid: int) -> None:
         s = self._socks.get(sid)
         if s is not None:
@@ -183,11 +195,6 @@ class SocketBook:
     def streaming(self) -> bool:
         """kubelet's stream on the current socket is open."""
         return self.current is not None and self._socks[self.current].streaming
-
-    @streaming.setter
-    def streaming(self, value: bool) -> None:
-        if self.current is not None:
-            self._socks[self.current].streaming = value
 
     @property
     def list_sent(self) -> bool:

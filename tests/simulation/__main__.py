@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 
+from atedevd.registration import TRANSITIONS
 from tests.simulation.scenarios import MODES, SCENARIOS, run_matrix, run_round
 
 
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     if a.replay is not None:
         for mode in modes:
             for name in scenarios:
-                problems, history, events = run_round(a.replay, mode, name, a.max_delay, keep=True, **variant)
+                problems, history, events, _ = run_round(a.replay, mode, name, a.max_delay, keep=True, **variant)
                 print(f"--- {name} on kubelet {mode}, seed {a.replay}: {'; '.join(problems) or 'end state healthy'}")
                 print("\n".join(history + [f"{events} events"]))
         return 0
@@ -49,6 +50,10 @@ def main(argv=None) -> int:
         print(f"{name:<28}{mode:<10}{r['rounds']:>8}{len(r['failures']):>8}{r['events'] / max(r['rounds'], 1):>14.0f}")
         for seed, problems in r["failures"][:3]:
             print(f"    seed {seed}: {'; '.join(problems)}\n    replay: python3 -m tests.simulation --replay {seed} --scenario {name} --kubelet {mode}")
+    taken = set().union(*(r["taken"] for r in results.values()))
+    never = [f"{a.value} -> {b.value}" for a, b, _ in TRANSITIONS if (a, b) not in taken]
+    if never:
+        print(f"moves in TRANSITIONS never taken: {', '.join(never)}")
     total = sum(r["rounds"] for r in results.values())
     print(f"{total} rounds in {took:.1f} s ({total / took:.0f} rounds/s)")
     print(f"sim: {total - failed} passed, {failed} failed")

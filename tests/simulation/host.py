@@ -11,7 +11,7 @@ where gRPC threads post outcomes onto the loop.
 import logging
 import os
 from functools import partial
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from atedevd import sockets
 from atedevd.plugin import StreamEvent
@@ -37,6 +37,7 @@ class SimHost:
         self.kubelet_socket = os.path.join(PLUGIN_DIR, KUBELET_SOCK)
         self.pod_resources_socket = "/sim/pod-resources/kubelet.sock"
         self._said: set = set()
+        self._watched: dict = {}  # who -> (servers, on_hangup): connections counted, watched for kubelet's hang-up
 
     # --- clocks and files ------------------------------------------------------------
 
@@ -61,11 +62,33 @@ class SimHost:
         inc = self.w.kubelet.inc
         return sock is not None and sock.inc is inc and inc.alive and inc.listening
 
-    def held_connections(self, bind_paths) -> Optional[int]:
+    def connections_visible(self) -> bool:
+        return self.w.connections_visible
+
+    def count_connections(self, who, bind_paths, on_hangup) -> Tuple[Optional[int], bool]:
+        """kubelet's connections to those sockets; `on_hangup` is posted when kubelet closes one."""
         if not self.w.connections_visible:
-            return None
+            return None, False
+        self.unwatch(who)
         wanted = set(bind_paths)
-        return sum(len(s.conns) for s in self.d.servers() if s.bind_path in wanted)
+        held = [s for s in self.d.servers() if s.bind_path in wanted and s.conns]
+        if held:
+            self._watched[who] = (held, on_hangup)
+            for s in held:
+                s.watchers.add(who)
+        return sum(len(s.conns) for s in held), bool(held)
+
+    def unwatch(self, who) -> None:
+        servers, _ = self._watched.pop(who, ((), None))
+        for s in servers:
+            s.watchers.discard(who)
+
+    def hung_up(self, server: "SimServer") -> None:
+        """kubelet closed a connection to `server`: whoever watches it is told, on the loop."""
+        for who in list(server.watchers):
+            _, on_hangup = self._watched[who]
+            self.unwatch(who)
+            self.post(on_hangup)
 
     def make_dir(self, path: str) -> None:
         pass
@@ -141,6 +164,7 @@ class SimServer:
         self.streams: List = []
         self._sent_at: dict = {}  # stream -> when its last message reaches kubelet
         self._primary = False
+        self.watchers: set = set()  # who counted its connections and waits for a hang-up
 
     # the performer's side (atedevd/plugin.py's PluginServer)
     def start(self) -> None:
@@ -211,6 +235,8 @@ class SimServer:
         """kubelet closed its connection (or died): its stream, if open, ended, not by us."""
         if c in self.conns:
             self.conns.remove(c)
+            if self.watchers and self.host.d.alive:
+                self.host.hung_up(self)
         self.kubelet_ended_stream(c)
 
     def kubelet_ended_stream(self, c) -> None:

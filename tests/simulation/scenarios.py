@@ -181,9 +181,9 @@ def end_state(w: World) -> List[str]:
 
 def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep: bool = False,
               connections_visible: bool = True, pod_resources: bool = True,
-              fixed_wait: Optional[float] = None, agent_rps: float = 80.0) -> Tuple[List[str], List[str], int]:
-    """One round: the problems with its end state (none: healthy), with `keep` its history, and
-    how many events it took."""
+              fixed_wait: Optional[float] = None, agent_rps: float = 80.0) -> Tuple[List[str], List[str], int, set]:
+    """One round: the problems with its end state (none: healthy), with `keep` its history, how
+    many events it took, and every (from, to) move of a registration machine it made."""
     if fixed_wait is not None:
         handover.FIXED_WAIT_S = fixed_wait
     w = World(seed, mode, max_delay=max_delay, pod_resources=pod_resources, connections_visible=connections_visible,
@@ -198,18 +198,19 @@ def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep:
         w.run_until(w.now + SETTLE_S)
         problems = end_state(w)
     history = [f"{t:10.4f} {lvl or '':>2} {kind}: {text}" for t, lvl, kind, text in w.said] if keep else []
-    return problems, history, w.events
+    return problems, history, w.events, w.moves_taken()
 
 
-def _chunk(args) -> Tuple[str, str, int, List, int]:
+def _chunk(args) -> Tuple[str, str, int, List, int, set]:
     scenario, mode, first, rounds, max_delay, variant = args
-    failures, events = [], 0
+    failures, events, taken = [], 0, set()
     for seed in range(first, first + rounds):
-        problems, _, n = run_round(seed, mode, scenario, max_delay, **variant)
+        problems, _, n, moves = run_round(seed, mode, scenario, max_delay, **variant)
         events += n
+        taken |= moves
         if problems:
             failures.append((seed, problems))
-    return scenario, mode, rounds, failures, events
+    return scenario, mode, rounds, failures, events, taken
 
 
 def run_matrix(scenarios, modes, rounds: int, first_seed: int, max_delay: float, jobs: int,
@@ -221,15 +222,16 @@ def run_matrix(scenarios, modes, rounds: int, first_seed: int, max_delay: float,
         for m in modes:
             for start in range(0, rounds, per):
                 work.append((s, m, first_seed + start, min(per, rounds - start), max_delay, variant or {}))
-    results: Dict = {(s, m): {"rounds": 0, "failures": [], "events": 0} for s in scenarios for m in modes}
+    results: Dict = {(s, m): {"rounds": 0, "failures": [], "events": 0, "taken": set()} for s in scenarios for m in modes}
     if jobs > 1:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
             chunks = pool.map(_chunk, work, chunksize=1)
     else:
         chunks = [_chunk(w) for w in work]
-    for s, m, n, failures, events in chunks:
+    for s, m, n, failures, events, taken in chunks:
         r = results[(s, m)]
         r["rounds"] += n
         r["failures"] += failures
         r["events"] += events
+        r["taken"] |= taken
     return results

@@ -16,14 +16,16 @@ import os
 import random
 import shutil
 import tempfile
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import inotify.constants as ic
 
-from atedevd import handoff
+from atedevd import metrics
 from atedevd.config import Device
+from atedevd.handoff import BecomeMain, Exit, MainPid, Message, Send, StopSuccessor, UpgradePhase
 from atedevd.node import Node
-from atedevd.registration.messages import State
+from atedevd.process import Process, Ready, ServingBegan, StartWork, Status, WriteMetrics
+from atedevd.registration.messages import Say, State
 from atedevd.watch import Event
 from tests.simulation.host import KUBELET_SOCK, PLUGIN_DIR, SimHost, SimServer
 from tests.simulation.kubelet import KubeletModel
@@ -78,12 +80,17 @@ class World:
         self.dev_root = dev_root()  # every unit plugged in
         self.checks: list = []  # a scenario's own end-state checks: each returns problems
         self.orphaned: set = set()  # sockets named in a Register that was in flight when its daemon was killed
-        self.daemon: Optional["Daemon"] = None  # systemd's main process
-        self.processes: List["Daemon"] = []  # every atedevd process alive (two during an upgrade)
+        self.daemon: Optional["AtedevdProcess"] = None  # systemd's main process
+        self.processes: List["AtedevdProcess"] = []  # every atedevd process alive (two during an upgrade)
+        self.ever: List["AtedevdProcess"] = []  # every atedevd process started, alive or not
         self.daemons = 0
         self.said: List[tuple] = []  # (time, level, kind, text) of every daemon that ran
         self.events = 0
         self.trace = False  # when replaying: every action and kubelet step goes into `said`
+
+    def moves_taken(self) -> set:
+        """Every (from, to) move any registration machine of any process made."""
+        return {(a, b) for d in self.ever for r in d.node.resources.values() for a, b, _ in r.machine.moves.taken}
 
     def note(self, who: str, text: str) -> None:
         if self.trace:
@@ -109,10 +116,10 @@ class World:
 
     # --- atedevd's process ---------------------------------------------------------
 
-    def start_daemon(self, count: Optional[int] = None, parent: Optional["Daemon"] = None) -> "Daemon":
+    def start_daemon(self, count: Optional[int] = None, parent: Optional["AtedevdProcess"] = None) -> "AtedevdProcess":
         """A new atedevd process: systemd's (a start), or `parent`'s successor (an upgrade)."""
         self.daemons += 1
-        d = Daemon(self, self.daemons, count or self.count, parent)
+        d = AtedevdProcess(self, self.daemons, count or self.count, parent)
         if parent is None:
             self.daemon = d
         d.start()
@@ -220,26 +227,32 @@ class Directory:
         return s if isinstance(s, Sock) else None
 
 
-class Daemon:
-    """One atedevd process: atedevd's Node on the simulated host."""
+class AtedevdProcess:
+    """One atedevd process: the daemon's own `Process` (atedevd/process.py: the glue its loop
+    runs) over its own `Node`, on the simulated host. What is left here is the process's I/O,
+    simulated: the clock's wake-ups, the upgrade's channel, the exit, and what each of the
+    process's actions does (`_DO`, held to `process.ACTIONS` as the daemon's table is)."""
 
-    def __init__(self, world: World, n: int, count: int, parent: Optional["Daemon"] = None):
+    def __init__(self, world: World, n: int, count: int, parent: Optional["AtedevdProcess"] = None):
         self.w = world
         self.n = n
         self.count = count
         self.alive = True
         world.processes.append(self)
+        world.ever.append(self)
         self.host = SimHost(world, self)
-        self.node = Node(PLUGIN_DIR, world.dev_root, "/sys", self.host, f"d{n}", lambda path, error: False)
+        node = Node(PLUGIN_DIR, world.dev_root, "/sys", self.host, f"d{n}", lambda path, error: False)
+        if parent is not None:
+            node.held = True
+            node.inherited = frozenset(r.name for r in parent.node.resources.values() if r.advertised)
+        self.node = node
+        self.process = Process(node, successor=parent is not None)
         self.on_exit = None
         self._wake_at: Optional[float] = None
-        # An upgrade (atedevd/handoff.py), its two sides as the daemon drives them.
         self.parent, self.child = parent, None
-        self.successor = handoff.Successor() if parent is not None else None
-        self.predecessor: Optional[handoff.Predecessor] = None
-        if parent is not None:
-            self.node.held = True
-            self.node.inherited = frozenset(r.name for r in parent.node.resources.values() if r.advertised)
+        self.status = ""  # STATUS=, as it would be sent
+        self.metrics_due = 0  # times the metrics would have been written
+        self.started_work = False
 
     @property
     def resource(self):
@@ -254,22 +267,22 @@ class Daemon:
     # --- the process: what Daemon.run, its signals and its loop do ---------------------------------
 
     def start(self) -> None:
-        fs = self.w.fs
-        for name, s in list(fs.entries.items()) + list(fs.standby.items()):
-            if isinstance(s, SimServer) and not s.serving:  # an earlier run's leftover
-                fs.remove(s)
         self.node.kubelet.refresh(created=False, events_lost=True)
         self.node.apply(self.devices(self.count), self.w.dev_root, "/sys", self.w.now)
         self.node.reconcile(self.w.now)
+        self.process.started(self.w.now)
+        self.status = self.process.status()  # READY=1
         self.woke()
 
     def sigterm(self) -> None:
         if self.alive and not self.node.stopping:
-            self.node.begin_stop(self.w.now)
+            self.process.stop(self.w.now)
             self.woke()
 
     def reload(self, count: int) -> None:
         """SIGHUP: a changed resource is served anew; an unchanged one is not touched."""
+        if not self.alive or self.node.stopping or self.process.upgrading is not None:
+            return
         self.count = count
         self.node.accept_nodes()
         self.node.apply(self.devices(count), self.w.dev_root, "/sys", self.w.now)
@@ -278,58 +291,27 @@ class Daemon:
 
     def upgrade(self, overlap: bool) -> None:
         """A reload that finds the installed atedevd is another: start it, hand over to it."""
-        if not self.alive or self.node.stopping or self.predecessor is not None or self.successor is not None:
+        if not self.alive or self.node.stopping or self.process.upgrading is not None:
             return
-        self.predecessor = handoff.Predecessor(overlap, self.w.now)
+        self.process.upgrade(self.w.now, overlap)
         self.w.after(self.w.delay(), self._spawn)
 
     def _spawn(self) -> None:
-        if self.alive and self.predecessor is not None and self.predecessor.phase is handoff.Phase.STARTING:
+        p = self.process.predecessor
+        if self.alive and p is not None and p.phase is UpgradePhase.STARTING:
             self.child = self.w.start_daemon(self.count, parent=self)
 
-    def tell(self, message: Optional[handoff.Message]) -> None:
+    def tell(self, message: Optional[Message]) -> None:
         """The other process said `message` (None: its end of the channel closed): a while later."""
         self.w.after(self.w.delay() * 0.01, self._heard, message)
 
-    def _heard(self, message: Optional[handoff.Message]) -> None:
+    def _heard(self, message: Optional[Message]) -> None:
         if not self.alive:
             return
-        now = self.w.now
-        if self.predecessor is not None:
-            if message is None or (self.child is not None and not self.child.alive):  # it may have died since
-                self.predecessor.exited(now, "was killed")
-            else:
-                self.predecessor.received(now, message)
-        elif self.successor is not None:
-            if message is None:
-                self.successor.predecessor_gone()
-            else:
-                self.successor.received(message)
+        child_dead = self.process.predecessor is not None and (
+            message is None or (self.child is not None and not self.child.alive))
+        self.process.heard(self.w.now, None if child_dead else message, "was killed" if child_dead else None)
         self.woke()
-
-    def _upgrade_steps(self) -> None:
-        """Daemon._upgrade_steps, with the simulation's process and channel."""
-        now, p, s = self.w.now, self.predecessor, self.successor
-        handoff.observe(now, self.node, p, s)
-        for a in p.take() if p is not None else ():
-            handoff.to_node(now, self.node, a)
-            if isinstance(a, handoff.Send) and self.child is not None:
-                self.child.tell(a.message)
-            elif isinstance(a, handoff.Stop) and self.child is not None:
-                if a.kill:
-                    self.child.die()
-                else:
-                    self.child.sigterm()  # it lets go of what it registered; its exit ends the talk
-            elif isinstance(a, handoff.MainPid):
-                self.w.daemon = self.child
-        if p is not None and p.phase is handoff.Phase.FAILED and p.over:
-            self.predecessor = None  # an upgrade of our own, no longer under way
-        for a in s.take() if s is not None else ():
-            handoff.to_node(now, self.node, a)
-            if isinstance(a, handoff.Send) and self.parent is not None and self.parent.alive:
-                self.parent.tell(a.message)
-            elif isinstance(a, handoff.BecomeMain):
-                self.successor = None
 
     def die(self) -> None:
         """kill -9: connections drop, socket files stay behind."""
@@ -342,13 +324,12 @@ class Daemon:
         # A registration in progress goes on in kubelet. Unless kubelet already listed its
         # devices, its teardown will not show in pod-resources: no later process can see it.
         for r in self.node.resources.values():
-            book, call, servers = r.machine.book, r.machine.attempts.call, r.performer.servers
-            for sid in ([call.sid] if call is not None else []) + \
-                    ([book.current] if book.current is not None and not book.listed_seen else []):
-                if sid in servers:
-                    self.w.orphaned.add(servers[sid].name)
-            for s in servers.values():
-                s.stop(unlink=False)
+            for sid in r.machine.unseen_registrations():
+                name = r.performer.socket_name(sid)
+                if name is not None:
+                    self.w.orphaned.add(name)
+            for server in r.performer.servers.values():
+                server.stop(unlink=False)
 
     def fs_events(self, batch: List[Event]) -> None:
         if self.alive:
@@ -356,12 +337,12 @@ class Daemon:
             self.woke()
 
     def woke(self) -> None:
-        """What the loop does after each wake-up: what is due, reconciling; exit once stopped."""
+        """What the loop does after each wake-up: the process's glue, its actions; exit once stopped."""
         if not self.alive:
             return
-        self.node.wake(self.w.now)
-        self._upgrade_steps()
-        if self.node.stopped:
+        for a in self.process.wake(self.w.now):
+            _DO[type(a)](self, a)
+        if self.process.stopped:
             self.node.close(self.w.now)
             self.alive = False
             self.w.processes.remove(self)
@@ -371,16 +352,67 @@ class Daemon:
             if self.on_exit:
                 self.on_exit()
             return
-        at = self.node.deadline()
-        if self.predecessor is not None and self.predecessor.deadline is not None:
-            at = self.predecessor.deadline if at is None else min(at, self.predecessor.deadline)
+        at = self.process.deadline()
         if at is not None and (self._wake_at is None or at < self._wake_at):
-            self._wake_at = at
-            self.w.after(max(0.0, at - self.w.now), self._tick)
+            self._wake_at = at  # (a later one already set is moot: `_tick` ignores it)
+            self.w.after(max(0.0, at - self.w.now), self._tick, at)
 
-    def _tick(self) -> None:
+    def _tick(self, at: float) -> None:
+        """A timer of the process is due, as the loop's wait ends at the earliest deadline."""
+        if at != self._wake_at:
+            return  # set for a deadline since replaced by an earlier one
         self._wake_at = None
         self.woke()
+
+    # --- the process's actions, as the simulated process carries them out --------------------
+
+    def _start_work(self, a: StartWork) -> None:
+        self.started_work = True
+        fs = self.w.fs  # an earlier run's dead sockets go, as Daemon._start_work removes them
+        for name, s in list(fs.entries.items()) + list(fs.standby.items()):
+            if isinstance(s, SimServer) and not s.serving:
+                fs.remove(s)
+
+    def _status(self, a: Status) -> None:
+        self.status = a.text
+
+    def _ready(self, a: Ready) -> None:
+        self.status = self.process.status()
+
+    def _write_metrics(self, a: WriteMetrics) -> None:
+        self.metrics_due += 1  # rendered once, at the end of the round (`metrics_now`): a render costs ~1 ms
+
+    def metrics_now(self) -> str:
+        """atedevd.prom, as the daemon would write it now."""
+        return metrics.render(_info(), self.node.reports(), polling=False, reload_ok=self.process.reload_error is None,
+                              wall_offset=0.0)
+
+    def _serving_began(self, a: ServingBegan) -> None:
+        pass  # no sandbox here: the plugin directory is never a mount of its own
+
+    def _send(self, a: Send) -> None:
+        other = self.child if self.process.predecessor is not None else self.parent
+        if other is not None and other.alive:
+            other.tell(a.message)
+
+    def _stop_successor(self, a: StopSuccessor) -> None:
+        if self.child is not None:
+            if a.kill:
+                self.child.die()
+            else:
+                self.child.sigterm()  # it lets go of what it registered; its exit ends the talk
+
+    def _main_pid(self, a: MainPid) -> None:
+        self.w.daemon = self.child
+
+    def _exit(self, a: Exit) -> None:
+        pass  # the node's part (its streams end, no let-go wait) is the glue's; the exit follows once stopped
+
+    def _become_main(self, a: BecomeMain) -> None:
+        pass  # systemd's main process: the world's `daemon` already (its predecessor said MainPid)
+
+    def _say(self, a: Say) -> None:
+        self.host.say(a.level, a.kind, a.text)
 
     # --- for the checks ---------------------------------------------------------------------
 
@@ -389,6 +421,22 @@ class Daemon:
 
     def current_socket(self, resource: str = RESOURCE) -> Optional[str]:
         r = self.node.resources[resource]
+        held = r.machine.held_sockets()
         current = r.machine.book.current
-        s = r.performer.servers.get(current) if current is not None else None
-        return s.name if s else None
+        return r.performer.socket_name(current) if current is not None and current in held else None
+
+
+_DO: Dict[type, Callable] = {
+    StartWork: AtedevdProcess._start_work, Status: AtedevdProcess._status, Ready: AtedevdProcess._ready,
+    WriteMetrics: AtedevdProcess._write_metrics, ServingBegan: AtedevdProcess._serving_began,
+    Send: AtedevdProcess._send, StopSuccessor: AtedevdProcess._stop_successor, MainPid: AtedevdProcess._main_pid,
+    Exit: AtedevdProcess._exit, BecomeMain: AtedevdProcess._become_main, Say: AtedevdProcess._say,
+}
+_daemon_info: Optional[metrics.DaemonInfo] = None
+
+
+def _info() -> metrics.DaemonInfo:
+    global _daemon_info
+    if _daemon_info is None:
+        _daemon_info = metrics.DaemonInfo.current()
+    return _daemon_info
