@@ -19,7 +19,7 @@ import signal
 import time
 from typing import Callable, List, Optional, Tuple
 
-from atedevd import devices, handoff, instance, metrics, sockets, upgrade
+from atedevd import cdi_keeper, devices, handoff, instance, metrics, sockets, upgrade
 from atedevd.config import Config, ConfigError, load
 from atedevd.host import Host
 from atedevd.kubelet import warm_up
@@ -65,6 +65,7 @@ class Daemon:
         self.metrics = metrics.TextfileWriter(None if parent else metrics.resolve_dir(cfg.metrics_dir))
         self._run_id = sockets.new_run_id()
         self.host = Host(cfg.device_plugin_dir, self._workers, self._post)
+        self.host.cdi = cdi_keeper.Specs(self.host.say, sharing=parent is not None)  # CDI: a successor keeps its predecessor's
         self.node = Node(cfg.device_plugin_dir, cfg.dev_root, cfg.sys_root, self.host, self._run_id, self._serve_failed)
         if parent is not None:  # serve, but register once the predecessor says so
             self.node.held, self.node.inherited = True, parent.inherited
@@ -119,7 +120,8 @@ class Daemon:
             deadlines = [self.node.deadline(), self._start_work_due,
                          self.predecessor.deadline if self.predecessor is not None else None,
                          self._watcher.poll_deadline(),  # directories inotify could not watch are polled
-                         next_watchdog if self.notifier.watchdog_interval else None, self.metrics.deadline()]
+                         next_watchdog if self.notifier.watchdog_interval else None, self.metrics.deadline(),
+                         self.host.cdi.deadline]  # CDI: when a spec that could not be written is tried again
             deadlines = [d for d in deadlines if d is not None]
             wait = None if not deadlines else min(deadlines) - now
             for fd in _wait(poller, fds, wait):
@@ -136,6 +138,7 @@ class Daemon:
             if poll_at is not None and time.monotonic() >= poll_at:
                 self._on_fs_events(self._watcher.read())
             now = time.monotonic()
+            self.host.cdi.retry(now)  # CDI: a spec that could not be written
             if self.node.wake(now):  # a resource began to be served: is its directory our sandbox's bind?
                 self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
             if self._start_work_due is not None and (
@@ -170,6 +173,7 @@ class Daemon:
         else:
             event(INFO, "stopping", "stopping: removing our sockets")
         self.node.close(time.monotonic())
+        self.host.cdi.close(self._handed_over)  # CDI: kubelet let go; unless another daemon serves them
         sockets.remove_standby_dir(self.cfg.device_plugin_dir)  # nothing of ours left in kubelet's directory
         self._write_metrics(force=True)  # the last word: every resource stopped, not registered (not after a handover: off)
         self._workers.shutdown(wait=False)
@@ -257,6 +261,7 @@ class Daemon:
         if not first:  # the first pass runs on the threads started in __init__; run() starts the rest
             self._workers.grow(len(cfg.devices))
         now = time.monotonic()
+        self.host.cdi.configure(cfg)  # CDI: before a resource's first snapshot
         self.node.apply(cfg.devices, cfg.dev_root, cfg.sys_root, now)
         dirs = [self.cfg.device_plugin_dir] + [p for d in cfg.devices for p in devices.directories(d, cfg.dev_root)]
         self._watcher.want(dirs)
@@ -337,6 +342,7 @@ class Daemon:
     def _upgrade_steps(self, now: float) -> None:
         """What the upgrade's machines see of the node now, and what they ask for."""
         p, s = self.predecessor, self.successor
+        self.host.cdi.sharing = self._upgrading() is not None  # CDI: both daemons write the specs
         if self.child is not None:
             self.child.ended()  # reaped as soon as it has exited
         handoff.observe(now, self.node, p, s)

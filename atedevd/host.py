@@ -32,6 +32,7 @@ class Host:
     exists = staticmethod(os.path.exists)
     listening = staticmethod(sockets.listening)  # someone accepts connections on that socket
     held_connections = staticmethod(sockets.held_connections)  # kubelet's connections to our sockets
+    cdi = None  # the daemon's CDI specs (atedevd/cdi_keeper.py), set by the daemon
 
     def __init__(self, plugin_dir: str, workers: Workers, post: Callable[[Callable[[], None]], None]) -> None:
         self.plugin_dir = plugin_dir

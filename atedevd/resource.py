@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Optional
 
-from atedevd import devices, sockets
+from atedevd import cdi_keeper, devices, sockets
 from atedevd.config import Device
 from atedevd.performer import Performer
 from atedevd.plugin import STREAMS_PER_RESOURCE, AllocateCounts, plugin_options
@@ -50,7 +50,8 @@ class Resource:
         self.advertised = False  # once served, kept served (Unhealthy while the node is missing)
         self.stream_limit = STREAMS_PER_RESOURCE
         self.stream_slots = threading.BoundedSemaphore(STREAMS_PER_RESOURCE)  # shared by its sockets
-        self.allocations = AllocateCounts()  # over all its sockets
+        self.cdi = cdi_keeper.keeper_for(host, device.resource)  # its CDI spec, written before a socket has a snapshot
+        self.allocations = AllocateCounts(cdi=self.cdi)  # over all its sockets
         self._version = 0
         self.look_at_device(None, publish=False)
         self.snapshot = self._new_snapshot()
@@ -130,7 +131,9 @@ class Resource:
 
     def _new_snapshot(self) -> devices.Snapshot:
         self._version += 1
-        return self.table.snapshot(self._version)
+        snapshot = self.table.snapshot(self._version)
+        self.cdi.publish(snapshot, self.device)  # CDI: every name it may answer is on disk first
+        return snapshot
 
     # --- what happened: told by the node ------------------------------------------------------
 
