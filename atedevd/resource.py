@@ -14,6 +14,7 @@ from typing import Optional
 
 from atedevd import cdi_keeper, devices, sockets
 from atedevd.config import Device
+from atedevd.host_mode import HostMode
 from atedevd.performer import Performer
 from atedevd.plugin import STREAMS_PER_RESOURCE, AllocateCounts, plugin_options
 from atedevd.registration import messages as m
@@ -45,6 +46,7 @@ class Resource:
         self.device = device
         self.host = host
         self.table = node_table(device, dev_root, sys_root)  # its nodes as last looked at
+        self.host_mode = HostMode(device, dev_root, sys_root, host.say)  # host_mode: its host nodes' mode kept
         self.directories = frozenset(map(os.path.normpath, devices.directories(device, dev_root)))
         self._looked_at: Optional[float] = None  # a pattern's: when, unless its directory has news
         self.advertised = False  # once served, kept served (Unhealthy while the node is missing)
@@ -91,6 +93,7 @@ class Resource:
                 return  # no news in its directory since
             self._looked_at = now
         changes, changed = self.table.look()
+        self.host_mode.keep()  # host_mode: applied to nodes there now, again after any change
         for c in changes:
             self.host.say(c.level, c.event, f"{self.name}: {c.message}", resource=self.name, device=c.device or self.device.path)
         if not changed:
@@ -118,6 +121,7 @@ class Resource:
         anew = plugin_options(device) != plugin_options(self.device)
         self.device = device
         self.table = node_table(device, dev_root, sys_root)  # the nodes there now, judged afresh
+        self.host_mode = HostMode(device, dev_root, sys_root, self.host.say)
         self.directories = frozenset(map(os.path.normpath, devices.directories(device, dev_root)))
         self.look_at_device(None, publish=False)
         self.snapshot = self._new_snapshot()

@@ -280,3 +280,26 @@ def test_a_spec_directory_it_cannot_write_leaves_answers_to_the_devicespec(start
     os.chmod(spec_dir, 0o755)  # fixed: written at the next try, answered from then on
     assert wait_until(lambda: os.path.exists(spec_dir / SPEC), 5), d.log()
     assert answer(kubelet, KVM, ["kvm-0"])[0] == ["ate.dev/kvm=kvm"]
+
+
+# --- host_mode -------------------------------------------------------------------------------------------
+
+@root_only
+def test_host_mode_widens_a_pattern_match_but_never_one_the_policy_refuses(tmp_path):
+    from atedevd.config import Device
+    from atedevd.host_mode import HostMode
+
+    dev = tmp_path / "dev"
+    good = mknod(dev, "x0", 188, 0)
+    bad = mknod(dev, "x1", 1, 1)  # /dev/mem's numbers under another name
+    said = []
+    keeper = HostMode(Device("ate.dev/x", "/dev/x*", allow_host_access=True, host_mode=0o666), str(dev), "/sys",
+                      lambda level, kind, text, **kw: said.append((kind, text)))
+    keeper.keep()
+    assert (os.stat(good).st_mode & 0o7777, os.stat(bad).st_mode & 0o7777) == (0o666, 0o600)
+    assert [k for k, _ in said] == ["host-mode", "host-mode-refused"]
+    assert f"{good} was 0600; keeping it at 0666 (host_mode)" in said[0][1]
+    assert "physical memory" in said[1][1]
+    said.clear()
+    keeper.keep()  # the good node is as it should be: nothing done; the refused one is judged again (said once by the host)
+    assert [k for k, _ in said] == ["host-mode-refused"]
