@@ -10,6 +10,10 @@ the test lays out is what the runtime sees and nothing else on the host changes:
   and has no setting for another);
 - the test's device node is bound over the host's /dev/kvm: a runtime in a user namespace
   cannot mknod, and runc then bind-mounts the host's node at the container path;
+- the container's stdin is a pipe (`-i`), never /dev/null: crun 1.8 in a user namespace chowns
+  its stdio to the container's user, and a /dev/null stdin is the host's own /dev/null (seen
+  here: it became 101000:101000); `run` fails if any host node it could touch changed owner
+  or mode, after putting it back;
 - for crun, this host's cgroup v2 hierarchy (mounted beside the v1 controllers, with hugetlb
   in it) is unmounted: crun 1.8 refuses such a hybrid setup ("cgroups in hybrid mode not
   supported"); the v1 devices controller stays, and with it the device cgroup.
@@ -89,14 +93,36 @@ def run(runtime: str, spec_dir: str, node: str, device_args: Sequence[str], user
     setup = [f"mount --bind {_q(spec_dir)} /run/cdi", f"mount --bind {_q(node)} /dev/kvm"]
     if runtime == "crun" and _hybrid():
         setup.insert(0, "umount /sys/fs/cgroup/unified")
-    command = ["podman", "run", "--rm", "--runtime", runtime, "--network", "none", *LIMITS, *device_args, *user_args,
-               image(), "/probe", *paths]
+    command = ["podman", "run", "--rm", "-i", "--runtime", runtime, "--network", "none", *LIMITS, *device_args,
+               *user_args, image(), "/probe", *paths]
     script = " && ".join(setup) + " && exec " + " ".join(map(_q, command))
+    before = _host_nodes()
     done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                          capture_output=True, text=True, timeout=60)
+                          input="", capture_output=True, text=True, timeout=60)
+    after = _host_nodes()
+    changed = {path: (was, after.get(path)) for path, was in before.items() if after.get(path) != was}
+    for path, (was, now) in changed.items():
+        if now is None:
+            continue
+        os.chown(path, was[1], was[2])
+        os.chmod(path, was[0])
+    if changed:
+        raise AssertionError(f"{runtime} changed host nodes (put back): {changed}")
     if done.returncode != 0:
         raise AssertionError(f"{runtime} failed ({done.returncode}): {done.stdout}{done.stderr}")
     return parse(done.stdout)
+
+
+def _host_nodes() -> Dict[str, tuple]:
+    """(mode, uid, gid) of the host's nodes a container's stdio or default devices could reach."""
+    out = {}
+    for path in ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/kvm"):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        out[path] = (st.st_mode & 0o7777, st.st_uid, st.st_gid)
+    return out
 
 
 def parse(text: str) -> Dict[str, object]:
