@@ -549,11 +549,12 @@ def drop_in(plugin_dir: str) -> str:
             "[Service]\n"
             "# Replace the default directory's mkdir and sandbox exception with this one's.\n"
             "ExecStartPre=\n"
-            f"ExecStartPre=-+/bin/mkdir -p -m 0750 {plugin_dir}\n"
+            f"ExecStartPre=-+/bin/mkdir -p -m 0750 /run/cdi {plugin_dir}\n"
             "ReadWritePaths=\n"
             f"ReadWritePaths=-{plugin_dir}\n"
-            "# The unit's other exception, kept: node_exporter's textfile directory (atedevd.prom).\n"
-            f"ReadWritePaths=-{metrics.DEFAULT_DIR}\n")
+            "# The unit's other exceptions, kept: node_exporter's textfile directory (atedevd.prom), CDI specs.\n"
+            f"ReadWritePaths=-{metrics.DEFAULT_DIR}\n"
+            "ReadWritePaths=-/run/cdi\n")
 
 
 def _kubelet_view(cfg: Config, report: Report) -> None:

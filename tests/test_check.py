@@ -376,7 +376,8 @@ def test_plugin_dir_read_only_in_the_sandbox_prints_the_drop_in(node):
     assert f"  - plugin dir: {node.dp} is read-only in atedevd.service's sandbox" in out
     drop_in = out[out.index("# /etc/systemd/system/atedevd.service.d/kubelet-root.conf"):]
     assert drop_in == check.drop_in(node.dp)
-    assert f"ReadWritePaths=-{node.dp}\n" in drop_in and f"ExecStartPre=-+/bin/mkdir -p -m 0750 {node.dp}\n" in drop_in
+    assert f"ReadWritePaths=-{node.dp}\n" in drop_in and f"ExecStartPre=-+/bin/mkdir -p -m 0750 /run/cdi {node.dp}\n" in drop_in
+    assert "ReadWritePaths=-/run/cdi\n" in drop_in
     code, out = run(node.cfg(), unit=dict(DEFAULT_UNIT, ReadWritePaths=f"-{node.dp}"))
     assert code == 0 and "kubelet-root.conf" not in out
 
