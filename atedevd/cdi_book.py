@@ -50,15 +50,21 @@ class SpecBook:
         """What the spec should hold now (to write it again)."""
         return cdi.document(self.resource, list(self._entries().values()))
 
-    def merged(self, doc: dict, on_disk: object) -> dict:
-        """`doc` with the devices of `on_disk` it lacks: while two daemons serve (an upgrade's
-        handover) each may answer with names the other has not seen yet."""
+    def adopt(self, on_disk: object) -> bool:
+        """While two daemons serve (an upgrade's handover), each may have answered with names the
+        other has not seen: the devices of the spec on disk that we lack become ours, kept as our
+        own are. True when there were any."""
         if not isinstance(on_disk, dict) or on_disk.get("kind") != self.kind:
-            return doc
-        ours = set(cdi.device_names(doc))
-        foreign = [d for d in on_disk.get("devices") or () if isinstance(d, dict) and d.get("name") not in ours
-                   and isinstance(d.get("name"), str)]
-        return cdi.document(self.resource, list(doc["devices"]) + foreign) if foreign else doc
+            return False
+        adopted = False
+        for d in on_disk.get("devices") or ():
+            name = d.get("name") if isinstance(d, dict) else None
+            if isinstance(name, str) and name not in self._nodes:
+                nodes = _nodes_of(d)
+                if nodes:
+                    self._nodes[name] = nodes
+                    adopted = True
+        return adopted
 
     def written(self, doc: dict) -> None:
         """`doc` is on disk now."""
@@ -75,3 +81,14 @@ class SpecBook:
 
     def names(self) -> List[str]:
         return sorted(self._nodes)
+
+
+def _nodes_of(entry: dict) -> Tuple[cdi.DeviceNode, ...]:
+    """The nodes of a device entry as this module writes them; () for anything else."""
+    try:
+        nodes = entry["containerEdits"]["deviceNodes"]
+        return tuple(cdi.DeviceNode(n["path"], n["major"], n["minor"]) for n in nodes
+                     if n.get("type") == "c" and isinstance(n["path"], str) and isinstance(n["major"], int)
+                     and isinstance(n["minor"], int))
+    except (KeyError, TypeError, AttributeError):
+        return ()

@@ -152,8 +152,8 @@ class Keeper:
         name = cdi.file_name(self.resource)
         try:
             with cdi_files.Locked(specs.spec_dir) as d:
-                if specs.sharing:
-                    doc = self.book.merged(doc, d.read(name))
+                if specs.sharing and self.book.adopt(d.read(name)):  # the other daemon's names stay too
+                    doc = self.book.document()
                 inode = d.write(name, doc)
         except OSError as e:
             self.failed = True

@@ -75,17 +75,23 @@ def test_a_name_stays_in_the_spec_and_is_answerable_only_as_written():
     assert book.ever_answerable == {"ttyUSB0", "ttyUSB1"}
 
 
-def test_a_handover_keeps_the_other_daemons_devices():
+def test_a_handover_adopts_the_other_daemons_devices():
     book = cdi_book.SpecBook(KVM)
-    ours = book.offer({"kvm": (cdi.DeviceNode("/dev/kvm", 10, 232),)}, cdi.Settings())
+    book.offer({"kvm": (cdi.DeviceNode("/dev/kvm", 10, 232),)}, cdi.Settings())
     theirs = {"cdiVersion": "0.3.0", "kind": KVM, "devices": [
         {"name": "old", "containerEdits": {"deviceNodes": [{"path": "/dev/old", "type": "c", "major": 1, "minor": 2}]}},
-        {"name": "kvm", "containerEdits": {"deviceNodes": []}}]}
-    merged = book.merged(ours, theirs)
-    assert cdi.device_names(merged) == ("kvm", "old")
-    assert merged["devices"][0] == ours["devices"][0]  # ours wins for a name both have
-    assert book.merged(ours, {"kind": "other/kind", "devices": theirs["devices"]}) is ours
-    assert book.merged(ours, None) is ours
+        {"name": "kvm", "containerEdits": {"deviceNodes": []}},
+        {"name": "odd", "containerEdits": {"deviceNodes": [{"path": "/dev/odd", "type": "b", "major": 8, "minor": 0}]}}]}
+    assert book.adopt({"kind": "other/kind", "devices": theirs["devices"]}) is False
+    assert book.adopt(None) is False
+    assert book.adopt(theirs) is True
+    doc = book.document()
+    assert cdi.device_names(doc) == ("kvm", "old")  # ours kept for a name both have; not a char device: not ours
+    assert doc["devices"][1]["containerEdits"]["deviceNodes"][0] == {
+        "path": "/dev/old", "type": "c", "major": 1, "minor": 2, "fileMode": 0o666, "permissions": "rw"}
+    assert book.adopt(theirs) is False  # kept as our own from now on
+    book.written(doc)
+    assert book.answerable == {"kvm", "old"}
 
 
 # --- the files -------------------------------------------------------------------------------------
