@@ -65,7 +65,7 @@ def _node(tmp_path):
 
 
 @pytest.mark.parametrize("runtime", ["runc", "crun"])
-@pytest.mark.parametrize("grant", list(GRANTS))
+@pytest.mark.parametrize("grant", ["devicespec", "cdi+devicespec"])  # CDI alone: the same (tests/test_cri_runtime.py)
 def test_each_pod_kind_opens_the_node_or_gets_the_errno_the_docs_promise(start_daemon, kubelet, tmp_path, runtime, grant):
     dev_root, node = _node(tmp_path)
     spec_dir = tmp_path / "cdi"
