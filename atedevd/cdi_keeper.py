@@ -47,8 +47,12 @@ class Specs:
                     d.remove_leftovers()
             except OSError as e:
                 self._failed(cfg.cdi_spec_dir, e)
+        anew = cfg.cdi and (not self.enabled or cfg.cdi_spec_dir != self.spec_dir)
         self.enabled, self.spec_dir, self.dev_root = cfg.cdi, cfg.cdi_spec_dir, cfg.dev_root
         self.device_specs = cfg.device_specs or not cfg.cdi
+        if anew:  # turned on, or moved, on reload: what the resources serve now, written there
+            for k in self.keepers.values():
+                k.again()
 
     def keeper(self, resource: str) -> "Keeper":
         k = self.keepers.get(resource)
@@ -105,6 +109,7 @@ class Keeper:
         self._by_id: Dict[str, str] = {}  # a pattern's unit ID -> its name
         self._answers: Tuple[FrozenSet[str], Optional[str], Dict[str, str]] = (frozenset(), None, {})
         self._written: Optional[Tuple[str, int]] = None  # (spec dir, inode) of our last write
+        self._last = None  # (snapshot, device) last published
 
     @property
     def enabled(self) -> bool:
@@ -119,6 +124,7 @@ class Keeper:
 
     def publish(self, snapshot, device: Device) -> None:
         """A new snapshot, before any socket serves it: its healthy units' devices on disk."""
+        self._last = (snapshot, device)
         if not self.enabled:
             self._answers = (frozenset(), None, {})
             return
@@ -142,6 +148,13 @@ class Keeper:
             self._write(doc)
         self._refresh()
 
+    def again(self) -> None:
+        """Publish the last snapshot again (CDI turned on, or its directory moved, on reload)."""
+        if self._last is not None:
+            self.publish(*self._last)
+            if self.enabled and (self._written is None or self._written[0] != self.specs.spec_dir):
+                self.write()  # the same content, not there yet
+
     def write(self) -> None:
         """Write what the spec should hold now (again)."""
         self._write(self.book.document())
@@ -163,7 +176,9 @@ class Keeper:
         if self.failed:
             specs.say(logging.INFO, "cdi-spec", f"{self.resource}: CDI spec written to {specs.spec_dir}", resource=self.resource)
         self.failed = False
-        self._written = (specs.spec_dir, inode)
+        before, self._written = self._written, (specs.spec_dir, inode)
+        if before is not None and before[0] != specs.spec_dir:  # moved: the old file goes once the new one is there
+            self._remove(before)
         self.book.written(doc)
 
     def _refresh(self) -> None:
@@ -171,15 +186,17 @@ class Keeper:
 
     def remove(self) -> None:
         """Remove our spec file, if it is still the one we wrote last."""
-        if self._written is None:
-            return
-        spec_dir, inode = self._written
+        if self._written is not None:
+            self._remove(self._written)
+        self._written = None
+
+    def _remove(self, written: Tuple[str, int]) -> None:
+        spec_dir, inode = written
         try:
             with cdi_files.Locked(spec_dir, make=False) as d:
                 d.remove_if(cdi.file_name(self.resource), inode)
         except OSError:
             pass
-        self._written = None
 
     # --- gRPC threads ----------------------------------------------------------------------------
 
@@ -187,7 +204,7 @@ class Keeper:
         """The qualified CDI names for a container's unit IDs (already known to be ours), or () when
         any of them is not on disk as it should be (the answer then carries the DeviceSpec alone)."""
         answerable, shared, by_id = self._answers
-        if not answerable:
+        if not answerable or not self.enabled:  # (turned off on reload: the specs stay, unnamed)
             return ()
         if shared is not None:
             return (cdi.qualified(self.resource, shared),) if shared in answerable else ()

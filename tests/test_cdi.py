@@ -285,7 +285,9 @@ def test_a_spec_directory_it_cannot_write_leaves_answers_to_the_devicespec(start
     assert f"cannot write CDI specs in {spec_dir}: {spec_dir} is writable by its group and others" in d.log()
     os.chmod(spec_dir, 0o755)  # fixed: written at the next try, answered from then on
     assert wait_until(lambda: os.path.exists(spec_dir / SPEC), 5), d.log()
-    assert answer(kubelet, KVM, ["kvm-0"])[0] == ["ate.dev/kvm=kvm"]
+    # answered from once the loop has taken the write in (a moment after the rename: never before it)
+    assert wait_until(lambda: answer(kubelet, KVM, ["kvm-0"])[0] == ["ate.dev/kvm=kvm"], 5), d.log()
+    assert f"{KVM}: CDI spec written to {spec_dir}" in d.log()
 
 
 # --- host_mode -------------------------------------------------------------------------------------------
@@ -309,3 +311,33 @@ def test_host_mode_widens_a_pattern_match_but_never_one_the_policy_refuses(tmp_p
     said.clear()
     keeper.keep()  # the good node is as it should be: nothing done; the refused one is judged again (said once by the host)
     assert [k for k, _ in said] == ["host-mode-refused"]
+
+
+@root_only
+def test_cdi_turned_on_and_off_by_reload_for_an_unchanged_device(start_daemon, kubelet, tmp_path):
+    dev = tmp_path / "devroot"
+    mknod(dev, "kvm", 10, 232)
+    spec_dir = tmp_path / "cdi"
+    config = write(tmp_path / "c.toml", f'[daemon]\ncdi_spec_dir = "{spec_dir}"\n')
+    d = start_daemon(dev_root=str(dev), config=config)
+    d.wait_ready()
+    assert kubelet.wait_connected(KVM), d.log()
+    assert answer(kubelet, KVM, ["kvm-0"])[0] == [] and not spec_dir.exists()
+
+    def reload(text):
+        write(tmp_path / "c.toml", text)
+        n = len(d.notify.messages)
+        d.send(signal.SIGHUP)
+        assert d.notify.wait_for("READY", "1", timeout=5, after=n), d.log()
+
+    reload(f'[daemon]\ncdi = true\ncdi_spec_dir = "{spec_dir}"\n')
+    assert answer(kubelet, KVM, ["kvm-0"])[0] == ["ate.dev/kvm=kvm"]  # the device did not change: written all the same
+    assert cdi_files.resolvable(str(spec_dir)) == {"ate.dev/kvm=kvm"}
+    moved = tmp_path / "cdi2"
+    reload(f'[daemon]\ncdi = true\ncdi_spec_dir = "{moved}"\n')
+    assert cdi_files.resolvable(str(moved)) == {"ate.dev/kvm=kvm"} and os.listdir(spec_dir) == []
+    reload(f'[daemon]\ncdi_spec_dir = "{moved}"\n')  # off: no more names; the spec stays until the stop
+    assert answer(kubelet, KVM, ["kvm-0"]) == ([], [("/dev/kvm", "/dev/kvm", "rw")])
+    assert cdi_files.resolvable(str(moved)) == {"ate.dev/kvm=kvm"}
+    assert d.stop() == 0
+    assert os.listdir(moved) == []
