@@ -10,9 +10,9 @@ it replays). A name may be answered only once the spec on disk has it as it shou
 what `offer` returns and says `written`, or nothing when the write failed, and the
 answer then carries the DeviceSpec alone.
 
-The simulation checks the invariant after every event: every name in `ever_answerable`
-of a live daemon (and of the last one killed, until the next start has written its
-own) resolves in the spec directory (`cdi_files.resolvable`).
+The invariant, checked after every event: every name in `ever_answerable` of a live
+daemon (`cdi_keeper.Specs.owed()`), and of the last one killed until the next start has
+written its own, resolves in the spec directory (`cdi_files.resolvable`).
 """
 
 from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple

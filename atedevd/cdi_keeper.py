@@ -18,7 +18,7 @@ import logging
 import os
 import stat
 import time
-from typing import Callable, Dict, FrozenSet, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Optional, Set, Tuple
 
 from atedevd import cdi, cdi_book, cdi_files
 from atedevd.config import Device, host_path
@@ -73,6 +73,12 @@ class Specs:
             if k.failed:
                 k.write()
 
+    def owed(self) -> Set[str]:
+        """Every qualified name this daemon could have answered Allocate with: each must resolve in
+        the spec directory while it runs (and after a kill, until the next start has written its
+        own). The simulation checks it after every event."""
+        return {cdi.qualified(k.resource, n) for k in self.keepers.values() for n in k.book.ever_answerable}
+
     def close(self, handed_over: bool) -> None:
         """The daemon stops: remove the specs nothing else will serve (kubelet has let go of us)."""
         if handed_over or self.sharing:
@@ -105,6 +111,7 @@ class Keeper:
         self.resource = resource
         self.book = cdi_book.SpecBook(resource)
         self.failed = False
+        self.wrote = False  # a spec of this daemon's is (or was) on disk
         self._shared: Optional[str] = None  # the one name of a shareable resource
         self._by_id: Dict[str, str] = {}  # a pattern's unit ID -> its name
         self._answers: Tuple[FrozenSet[str], Optional[str], Dict[str, str]] = (frozenset(), None, {})
@@ -175,7 +182,7 @@ class Keeper:
             return
         if self.failed:
             specs.say(logging.INFO, "cdi-spec", f"{self.resource}: CDI spec written to {specs.spec_dir}", resource=self.resource)
-        self.failed = False
+        self.failed, self.wrote = False, True
         before, self._written = self._written, (specs.spec_dir, inode)
         if before is not None and before[0] != specs.spec_dir:  # moved: the old file goes once the new one is there
             self._remove(before)

@@ -136,6 +136,31 @@ def test_a_name_two_files_define_resolves_to_nothing(tmp_path):
     assert cdi_files.resolvable(str(tmp_path)) == {"ate.dev/kvm=kvm"}
 
 
+@root_only
+def test_the_keeper_owes_every_name_it_could_answer_and_writes_before_it_answers(tmp_path):
+    """What the simulation checks after every event: Specs.owed() resolves in the spec directory."""
+    from atedevd import cdi_keeper, devices
+    from atedevd.config import Config, Device
+
+    dev = tmp_path / "dev"
+    mknod(dev, "kvm", 10, 232)
+    said = []
+    specs = cdi_keeper.Specs(lambda *a, **kw: said.append(a))
+    specs.configure(Config(cdi=True, cdi_spec_dir=str(tmp_path / "cdi"), dev_root=str(dev)))
+    keeper = specs.keeper(KVM)
+    assert specs.keeper(KVM) is keeper and keeper.wrote is False and specs.owed() == set()
+    table = devices.SharedTable(Device(KVM, "/dev/kvm"), str(dev))
+    table.look()
+    keeper.publish(table.snapshot(1), Device(KVM, "/dev/kvm"))
+    assert keeper.wrote is True and specs.owed() == {"ate.dev/kvm=kvm"}
+    assert specs.owed() <= cdi_files.resolvable(str(tmp_path / "cdi"))
+    assert keeper.names(["kvm-0", "kvm-1"]) == ("ate.dev/kvm=kvm",) and said == []
+    specs.close(handed_over=True)  # another daemon serves it: left
+    assert cdi_files.resolvable(str(tmp_path / "cdi")) == {"ate.dev/kvm=kvm"}
+    specs.close(handed_over=False)
+    assert cdi_files.resolvable(str(tmp_path / "cdi")) == set()
+
+
 # --- the configuration ---------------------------------------------------------------------------------
 
 def test_cdi_keys_are_checked_all_at_once(tmp_path):
