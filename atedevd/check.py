@@ -44,7 +44,7 @@ OK, PROBLEM, WARNING = "ok", "problem", "warning"  # a finding's status; only pr
 class Finding:
     """One thing `check` looked at: its verdict in words, and the fix when there is one."""
 
-    check: str  # what was checked: device, char-link, non-root, plugin-dir, sandbox, kubelet-socket, kubelet-count
+    check: str  # what was checked: device, char-link, non-root, pod-kind, cdi-spec-dir, plugin-dir, sandbox, kubelet-socket, kubelet-count
     subject: str  # the resource, or the path checked
     status: str  # OK, PROBLEM (NOT READY) or WARNING (said, exit status unchanged)
     message: str
@@ -77,13 +77,15 @@ class Report:
         return f
 
 
-def run(cfg: Config, out: TextIO, unit: Callable[[], Optional[Dict[str, str]]] = None, as_json: bool = False) -> int:
+def run(cfg: Config, out: TextIO, unit: Callable[[], Optional[Dict[str, str]]] = None, as_json: bool = False,
+        runtimes: Callable[[], list] = None) -> int:
     """Print the node's readiness (a table, or JSON) to `out`; return EX_READY or EX_NOT_READY.
 
     `unit` returns atedevd.service's sandbox properties (None: not loaded); by
-    default they are asked of systemd.
+    default they are asked of systemd. `runtimes` returns the container runtimes'
+    settings (atedevd/runtimes.py); by default their configuration files are read.
     """
-    report = collect(cfg, unit or unit_properties)
+    report = collect(cfg, unit or unit_properties, runtimes)
     if as_json:
         out.write(to_json(report))
     else:
@@ -91,11 +93,15 @@ def run(cfg: Config, out: TextIO, unit: Callable[[], Optional[Dict[str, str]]] =
     return report.exit_code
 
 
-def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]]) -> Report:
+def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]], runtimes: Callable[[], list] = None) -> Report:
     """Look at the node: every finding as data."""
+    from atedevd import pod_checks, runtimes as runtime_files  # only for `check`
+
     report = Report(cfg.source, cfg.dev_root, cfg.device_plugin_dir)
+    found = (runtimes or runtime_files.read)()
     for dev in cfg.devices:
         _check_device(cfg, dev, report)
+        pod_checks.add(cfg, dev, report, found)
     for resource, status, line in host_access_findings(cfg) + pattern_findings(cfg):
         report.add("device-policy", resource, status, line)
     plugin_dir = cfg.device_plugin_dir
@@ -107,6 +113,8 @@ def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]]) -> Report
     report.add("sandbox", UNIT, OK if sandbox_ok else PROBLEM, sandbox_text,
                fix=f"install the drop-in as {DROP_IN}, then: systemctl daemon-reload; systemctl restart {UNIT}"
                if report.drop_in else None)
+    if cfg.cdi:
+        pod_checks.spec_dir(cfg, props, report)
     metrics_dir = metrics.resolve_dir(cfg.metrics_dir)
     status, text = metrics_state(cfg.metrics_dir, props)
     report.add("metrics", metrics_dir or "", status, text,
@@ -209,6 +217,7 @@ def render_text(report: Report, out: TextIO) -> None:
     out.write(_table(rows) + "\n\n")
     _render_nodes(report, out)
     _render_non_root(report, out)
+    _render_pods(report, out)
     _render_host_access([f.message for f in report.findings if f.check == "device-policy"], out)
     by_check = {f.check: f for f in report.findings if f.check in ("plugin-dir", "sandbox", "kubelet-socket")}
     out.write(_table([("plugin dir", report.plugin_dir, by_check["plugin-dir"].message),
@@ -259,6 +268,20 @@ def _render_nodes(report: Report, out: TextIO) -> None:
         if len(rows) == 1:
             rows.append(("-", "(no node matches)", "-", "-", "-", "-", "-", "-"))
         out.write(f"{d['resource']} ({d['path']}):\n{_table(rows)}\n\n")
+
+
+def _render_pods(report: Report, out: TextIO) -> None:
+    """Per device, every pod kind: does it open the node, why, and the fix (atedevd/pod_kinds.py)."""
+    from atedevd.pod_kinds import TITLES
+
+    for d in report.devices:
+        if not d.get("pods"):
+            continue
+        rows = [("POD KIND", "OPENS IT", "WHY")]
+        rows += [(TITLES[p["kind"]], p["opens"], p["why"]) for p in d["pods"]]
+        out.write(f"Which pods can open {d['resource']} ({d['path']}):\n{_table(rows)}\n")
+        out.writelines(f"  fix for {TITLES[p['kind']]}: {p['fix']}\n" for p in d["pods"] if p["opens"] != "yes" and p["fix"])
+        out.write("\n")
 
 
 def _problem_text(f: Finding) -> str:
@@ -526,11 +549,12 @@ def drop_in(plugin_dir: str) -> str:
             "[Service]\n"
             "# Replace the default directory's mkdir and sandbox exception with this one's.\n"
             "ExecStartPre=\n"
-            f"ExecStartPre=-+/bin/mkdir -p -m 0750 {plugin_dir}\n"
+            f"ExecStartPre=-+/bin/mkdir -p -m 0750 /run/cdi {plugin_dir}\n"
             "ReadWritePaths=\n"
             f"ReadWritePaths=-{plugin_dir}\n"
-            "# The unit's other exception, kept: node_exporter's textfile directory (atedevd.prom).\n"
-            f"ReadWritePaths=-{metrics.DEFAULT_DIR}\n")
+            "# The unit's other exceptions, kept: node_exporter's textfile directory (atedevd.prom), CDI specs.\n"
+            f"ReadWritePaths=-{metrics.DEFAULT_DIR}\n"
+            "ReadWritePaths=-/run/cdi\n")
 
 
 def _kubelet_view(cfg: Config, report: Report) -> None:

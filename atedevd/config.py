@@ -42,13 +42,18 @@ MAX_FILE_BYTES = 1 << 20
 MIN_COUNT, MAX_COUNT = 1, 65536
 MAX_DEVICE_ID = 63  # kubelet's limit on a device ID
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DAEMON_KEYS = ("device_plugin_dir", "dev_root", "sys_root", "log_level", "metrics_dir", "kubelet_endpoints")
+DAEMON_KEYS = ("device_plugin_dir", "dev_root", "sys_root", "log_level", "metrics_dir", "kubelet_endpoints",
+               "cdi", "cdi_spec_dir", "device_specs")
+# [daemon] keys that are true or false (the others are strings, and the command line may give them)
+DAEMON_BOOLS = ("cdi", "device_specs")
 # How kubelet keys a resource's endpoints: by resource name (kubelet <= 1.36: a successor may
 # register only once kubelet let go of its predecessor) or by socket (kubernetes PR #135437,
 # kubelet 1.37: the two may overlap). Nothing on the wire tells them apart without risking the
 # registration on the older kubelet, so the operator says which the node runs.
 KUBELET_ENDPOINTS = ("per-resource", "per-socket")
-DEVICE_KEYS = ("resource", "path", "count", "permissions", "allow_host_access", "companions")
+DEVICE_KEYS = ("resource", "path", "count", "permissions", "allow_host_access", "companions",
+               "container_mode", "container_uid", "container_gid", "host_mode")
+MAX_ID = 4294967294  # a uid or gid (4294967295 is "none" to the kernel)
 MAX_COMPANIONS = 8
 _GLOB = "*?["  # a path with one of these is a pattern: one exclusive unit per matching node
 
@@ -101,6 +106,15 @@ class Device(Record):
     # operator who means it, warned at every start and by `atedevd check`.
     allow_host_access: bool = False
     companions: Tuple[str, ...] = ()
+    # The node's mode and owner in the container, where it is granted through CDI (atedevd/cdi.py):
+    # by default any user in the container opens it (the device cgroup already limits the node to
+    # the containers granted it); no owner: the runtime makes it the container's user's.
+    container_mode: int = 0o666
+    container_uid: Optional[int] = None
+    container_gid: Optional[int] = None
+    # Keep the host node at this mode (atedevd/host_mode.py): an operator's opt-in for pods in
+    # user namespaces, which open the host's node itself. None: the node's mode is udev's.
+    host_mode: Optional[int] = None
 
     @property
     def pattern(self) -> bool:
@@ -138,6 +152,11 @@ class Config(Record):
     log_level: str = "info"
     metrics_dir: Optional[str] = None  # node_exporter's textfile directory; None: the default, "": off
     kubelet_endpoints: str = "per-resource"  # KUBELET_ENDPOINTS: the safe default
+    # Grant through CDI (atedevd/cdi.py): a spec per resource in cdi_spec_dir, its names in every
+    # Allocate answer; device_specs: the answer carries the DeviceSpec too (runtimes without CDI).
+    cdi: bool = False
+    cdi_spec_dir: str = "/var/run/cdi"  # the runtimes' dynamic spec directory
+    device_specs: bool = True
     devices: Tuple[Device, ...] = DEFAULT_DEVICES
     source: Optional[str] = None  # the file read; None for the built-in defaults
 
@@ -169,6 +188,7 @@ def load(path: str, required: bool = False, overrides: Optional[Mapping[str, str
     cfg = _apply_overrides(cfg, overrides or {}, report)
     if not report.errors:  # on the final values: the overrides name the directories looked in
         _check_socket_names(cfg, report)
+        _check_cdi(cfg, report)
         _check_policy(cfg, lines, report)
     if report.errors:
         raise ConfigError(report.errors)
@@ -427,6 +447,8 @@ def _build_daemon(table: dict, lines: _Lines, report: _Report) -> dict:
 
 
 def _check_daemon_value(key: str, value) -> Optional[str]:
+    if key in DAEMON_BOOLS:
+        return _check_bool(value)
     if not isinstance(value, str):
         return f"must be a string, got {_type_name(value)}"
     if key == "log_level":
@@ -589,9 +611,54 @@ def _check_bool(v) -> Optional[str]:
     return None
 
 
+def _check_mode(v) -> Optional[str]:
+    """A device node's mode: read and write bits only (0o666 at most), written in octal."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        return f"must be an integer mode written in octal, e.g. 0o660, got {_type_name(v)}"
+    if v < 0 or v & ~0o666:
+        return (f"{v:#o} is not a device node's mode: read and write bits only (at most 0o666; "
+                "no execute, setuid, setgid or sticky bit)" if v >= 0 else f"must not be negative, got {v}")
+    if 0 < v < 0o10:
+        return f"{v} is mode {v:#05o}: write a mode in octal, e.g. 0o660"
+    return None
+
+
+def _check_id(v) -> Optional[str]:
+    if isinstance(v, bool) or not isinstance(v, int):
+        return f"must be an integer (a numeric id, as the runtime sets it), got {_type_name(v)}"
+    if not 0 <= v <= MAX_ID:
+        return f"must be between 0 and {MAX_ID}, got {v}"
+    return None
+
+
 _DEVICE_CHECKS = {"resource": _check_resource, "path": _check_path,
                   "count": _check_count, "permissions": _check_permissions,
-                  "allow_host_access": _check_bool, "companions": _check_companions}
+                  "allow_host_access": _check_bool, "companions": _check_companions,
+                  "container_mode": _check_mode, "container_uid": _check_id, "container_gid": _check_id,
+                  "host_mode": _check_mode}
+
+
+def _check_cdi(cfg: Config, report: _Report) -> None:
+    """CDI grants (atedevd/cdi.py): each resource names a CDI kind of its own, and an answer
+    grants the node one way or the other."""
+    if not cfg.device_specs and not cfg.cdi:
+        report.add("[daemon] device_specs = false needs cdi = true: an Allocate answer must grant the node "
+                   "one way or the other")
+    if not cfg.cdi:
+        return
+    from atedevd import cdi  # only where CDI grants are on
+
+    kinds: Dict[str, str] = {}
+    for i, dev in enumerate(cfg.devices):
+        problem = cdi.kind_problem(dev.resource)
+        if problem:
+            report.add(f"[[device]] #{i + 1} resource: {_q(dev.resource)} {problem}")
+            continue
+        kind = cdi.kind(dev.resource)
+        if kind in kinds:
+            report.add(f"[[device]] #{i + 1} resource: {_q(dev.resource)} and {_q(kinds[kind])} are one CDI kind, "
+                       f"{_q(kind)}; rename one")
+        kinds[kind] = dev.resource
 
 
 def _check_socket_names(cfg: Config, report: _Report) -> None:
@@ -618,6 +685,10 @@ def _check_policy(cfg: Config, lines: Optional[_Lines], report: _Report) -> None
                 else:
                     where, line = f"[[device]] #{i + 1} {key}", lines.of("device", i, key) if lines else None
                 report.add(f"{where}: {_q(path)} ({dev.resource}): {policy.refusal_text(found)}", line)
+            elif found is not None and dev.host_mode is not None:  # opted in to the node, never to widening it
+                line = lines.of("device", i, "host_mode") if lines else None
+                report.add(f"[[device]] #{i + 1} host_mode: {_q(path)} ({dev.resource}): refused: {found}; "
+                           "atedevd never widens the host's mode of such a node", line)
     if any(dev.pattern for dev in cfg.devices):
         _check_exclusive(cfg, lines, report)
 

@@ -21,7 +21,7 @@ import signal
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from atedevd import devices, handoff, instance, metrics, sandbox, sockets, upgrade
+from atedevd import cdi_keeper, devices, handoff, instance, metrics, sandbox, sockets, upgrade
 from atedevd.config import Config, ConfigError, load
 from atedevd.host import Host
 from atedevd.kubelet import warm_up
@@ -59,6 +59,7 @@ class Daemon:
         self.metrics = metrics.TextfileWriter(None if parent else metrics.resolve_dir(cfg.metrics_dir))
         self._run_id = sockets.new_run_id()
         self.host = Host(cfg.device_plugin_dir, self._workers, self.inbox.post)
+        self.host.cdi = cdi_keeper.Specs(self.host.say, sharing=parent is not None)  # a successor keeps its predecessor's
         node = Node(cfg.device_plugin_dir, cfg.dev_root, cfg.sys_root, self.host, self._run_id, self._serve_failed)
         if parent is not None:  # serve, but register once the predecessor says so
             node.held, node.inherited = True, parent.inherited
@@ -153,6 +154,7 @@ class Daemon:
         else:
             event(INFO, "stopping", "stopping: removing our sockets")
         self.node.close(time.monotonic())
+        self.host.cdi.close(self._handed_over)  # the specs nothing else will serve
         sockets.remove_standby_dir(self.cfg.device_plugin_dir)  # nothing of ours left in kubelet's directory
         self._write_metrics(force=True)  # the last word: every resource stopped, not registered (not after a handover: off)
         self._workers.shutdown(wait=False)
@@ -202,6 +204,7 @@ class Daemon:
         if not first:  # the first pass runs on the threads started in __init__; run() starts the rest
             self._workers.grow(len(cfg.devices))
         now = time.monotonic()
+        self.host.cdi.configure(cfg)  # before a resource's first snapshot
         self.node.apply(cfg.devices, cfg.dev_root, cfg.sys_root, now)
         self._watcher.want([cfg.device_plugin_dir] + [p for d in cfg.devices for p in devices.directories(d, cfg.dev_root)])
         if self.node.reconcile(now):

@@ -31,6 +31,7 @@ class Host:
     isdir = staticmethod(os.path.isdir)
     exists = staticmethod(os.path.exists)
     listening = staticmethod(sockets.listening)  # someone accepts connections on that socket
+    cdi = None  # the daemon's CDI specs (atedevd/cdi_keeper.py), set by the daemon
 
     def __init__(self, plugin_dir: str, workers: Workers, post: Callable[[Callable[[], None]], None]) -> None:
         self.plugin_dir = plugin_dir

@@ -113,12 +113,14 @@ class Workers(futures.Executor):
 
 class AllocateCounts:
     """Allocate calls and failures of one resource, over all its sockets (for metrics);
-    counted on gRPC threads, read by the loop."""
+    counted on gRPC threads, read by the loop. `cdi`: the resource's CDI answers
+    (atedevd/cdi_keeper.py), which its sockets share likewise."""
 
-    def __init__(self) -> None:
+    def __init__(self, cdi=None) -> None:
         self._lock = threading.Lock()
         self.calls = 0
         self.failures = 0
+        self.cdi = cdi
 
     def count(self, failed: bool) -> None:
         with self._lock:
@@ -317,7 +319,13 @@ class PluginServer:
                                   f"container request {n}: {self.device.resource}: unit {named} is not healthy on this node")
                 perm = self.device.permissions
                 specs = [pb.DeviceSpec(container_path=u.path, host_path=u.path, permissions=perm) for u in units]
-            resp.container_responses.add().devices.extend(specs + self._companions)
+            answer = resp.container_responses.add()
+            cdi = self._allocations.cdi
+            names = cdi.names(creq.devices_ids) if cdi is not None else ()
+            if names:  # a runtime with CDI makes the node as the spec says (mode, owner); others ignore the names
+                answer.cdi_devices.extend(pb.CDIDevice(name=n) for n in names)
+            if not names or cdi.device_specs:
+                answer.devices.extend(specs + self._companions)
         return resp
 
     def GetPreferredAllocation(self, request, context):

@@ -109,6 +109,8 @@ class Process:
 
     def wake(self, now: float) -> List[ProcessAction]:
         """What is due, then what the process must do."""
+        if self.host.cdi is not None:
+            self.host.cdi.retry(now)  # a CDI spec that could not be written
         if self.node.wake(now):
             self._out.append(ServingBegan())
         due = self.start_work_due
@@ -123,7 +125,8 @@ class Process:
     def deadline(self) -> Optional[float]:
         """When `wake` is due next for a timer of ours."""
         times = [t for t in (self.node.deadline(), self.start_work_due,
-                             self.predecessor.deadline if self.predecessor is not None else None) if t is not None]
+                             self.predecessor.deadline if self.predecessor is not None else None,
+                             self.host.cdi.deadline if self.host.cdi is not None else None) if t is not None]
         return min(times) if times else None
 
     @property
@@ -133,6 +136,8 @@ class Process:
     def upgrade_steps(self, now: float) -> None:
         """What the upgrade's machines see of the node now, and what they ask for."""
         p, s = self.predecessor, self.successor
+        if self.host.cdi is not None:
+            self.host.cdi.sharing = self.upgrading is not None  # both daemons keep the specs meanwhile
         if p is not None:
             if p.phase is UpgradePhase.LETTING_GO and self.node.handed_off:
                 p.let_go(now)

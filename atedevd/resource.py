@@ -12,8 +12,9 @@ import os
 import threading
 from typing import List, Optional
 
-from atedevd import devices, sockets
+from atedevd import cdi_keeper, devices, sockets
 from atedevd.config import Device
+from atedevd.host_mode import HostMode
 from atedevd.performer import Performer
 from atedevd.plugin import STREAMS_PER_RESOURCE, AllocateCounts, plugin_options
 from atedevd.registration import messages as m
@@ -45,12 +46,14 @@ class Resource:
         self.device = device
         self.host = host
         self.table = node_table(device, dev_root, sys_root)  # its nodes as last looked at
+        self.host_mode = HostMode(device, dev_root, sys_root, host.say)  # host_mode: its host nodes' mode kept
         self.directories = frozenset(map(os.path.normpath, devices.directories(device, dev_root)))
         self._looked_at: Optional[float] = None  # a pattern's: when, unless its directory has news
         self.advertised = False  # once served, kept served (Unhealthy while the node is missing)
         self.stream_limit = STREAMS_PER_RESOURCE
         self.stream_slots = threading.BoundedSemaphore(STREAMS_PER_RESOURCE)  # shared by its sockets
-        self.allocations = AllocateCounts()  # over all its sockets
+        self.cdi = cdi_keeper.keeper_for(host, device.resource)  # its CDI spec, written before a socket has a snapshot
+        self.allocations = AllocateCounts(cdi=self.cdi)  # over all its sockets
         self._version = 0
         self.look_at_device(None, publish=False)
         self.snapshot = self._new_snapshot()
@@ -116,6 +119,7 @@ class Resource:
                 return  # no news in its directory since
             self._looked_at = now
         changes, changed = self.table.look()
+        self.host_mode.keep()  # host_mode: applied to nodes there now, again after any change
         for c in changes:
             self.host.say(c.level, c.event, f"{self.name}: {c.message}", resource=self.name, device=c.device or self.device.path)
         if not changed:
@@ -143,6 +147,7 @@ class Resource:
         anew = plugin_options(device) != plugin_options(self.device)
         self.device = device
         self.table = node_table(device, dev_root, sys_root)  # the nodes there now, judged afresh
+        self.host_mode = HostMode(device, dev_root, sys_root, self.host.say)
         self.directories = frozenset(map(os.path.normpath, devices.directories(device, dev_root)))
         self.look_at_device(None, publish=False)
         self.snapshot = self._new_snapshot()
@@ -156,7 +161,9 @@ class Resource:
 
     def _new_snapshot(self) -> devices.Snapshot:
         self._version += 1
-        return self.table.snapshot(self._version)
+        snapshot = self.table.snapshot(self._version)
+        self.cdi.publish(snapshot, self.device)  # CDI: every name it may answer is on disk first
+        return snapshot
 
     # --- what happened: told by the node ------------------------------------------------------
 

@@ -56,10 +56,11 @@ class Node:
                       devices=devices or config.DEFAULT_DEVICES, **kw)
 
 
-def run(cfg, unit=None):
-    """check.run with atedevd.service's sandbox properties `unit` (None: no such unit)."""
+def run(cfg, unit=None, runtimes=()):
+    """check.run with atedevd.service's sandbox properties `unit` (None: no such unit) and the
+    container runtimes' settings `runtimes` (none configured, unless given)."""
     out = io.StringIO()
-    return check.run(cfg, out, unit=lambda: unit), out.getvalue()
+    return check.run(cfg, out, unit=lambda: unit, runtimes=lambda: list(runtimes)), out.getvalue()
 
 
 def test_all_present_and_kubelet_accepting(node):
@@ -78,6 +79,17 @@ def test_all_present_and_kubelet_accepting(node):
         "non-root user opens it only if that mode lets it (a root pod always can):\n"
         f"RESOURCE     {'HOST PATH'.ljust(w)}  OWNER      MODE  NON-ROOT CONTAINER CAN OPEN IT\n"
         f"ate.dev/kvm  {node.dev}/kvm  root:root  0666  yes\n"
+        "\n"
+        "Which pods can open ate.dev/kvm (/dev/kvm):\n"
+        "POD KIND                    OPENS IT  WHY\n"
+        "root                        yes       root in the host's user namespace opens any node the device cgroup allows\n"
+        f"non-root                    yes       {node.dev}/kvm is 0666 root:root: others may open it\n"
+        f"non-root, the node's group  yes       {node.dev}/kvm is 0666 root:root: with supplementalGroups: [0] (the node's gid)\n"
+        "non-root, through CDI       no        cdi = false: answers carry the DeviceSpec alone\n"
+        "user namespace              no        runc bind-mounts the host's /dev/kvm (the container path), which is "
+        f"{'another node' if os.path.exists('/dev/kvm') else 'missing'}, not {node.dev}/kvm\n"
+        "  fix for non-root, through CDI: [daemon] cdi = true (containerd 1.7 with enable_cdi = true, containerd 2.x, CRI-O)\n"
+        "  fix for user namespace: serve the node at the path pods see: /dev/kvm on the host\n"
         "\n"
         f"plugin dir    {node.dp.ljust(len(node.sock))}  present\n"
         f"sandbox       {'atedevd.service'.ljust(len(node.sock))}  unknown (atedevd.service is not loaded here)\n"
@@ -364,7 +376,8 @@ def test_plugin_dir_read_only_in_the_sandbox_prints_the_drop_in(node):
     assert f"  - plugin dir: {node.dp} is read-only in atedevd.service's sandbox" in out
     drop_in = out[out.index("# /etc/systemd/system/atedevd.service.d/kubelet-root.conf"):]
     assert drop_in == check.drop_in(node.dp)
-    assert f"ReadWritePaths=-{node.dp}\n" in drop_in and f"ExecStartPre=-+/bin/mkdir -p -m 0750 {node.dp}\n" in drop_in
+    assert f"ReadWritePaths=-{node.dp}\n" in drop_in and f"ExecStartPre=-+/bin/mkdir -p -m 0750 /run/cdi {node.dp}\n" in drop_in
+    assert "ReadWritePaths=-/run/cdi\n" in drop_in
     code, out = run(node.cfg(), unit=dict(DEFAULT_UNIT, ReadWritePaths=f"-{node.dp}"))
     assert code == 0 and "kubelet-root.conf" not in out
 

@@ -11,7 +11,7 @@ from tests.test_check import atedevd, config_file, node, run  # noqa: F401 - `no
 
 FINDING_KEYS = {"check", "subject", "status", "message", "fix"}
 DEVICE_KEYS = {"resource", "path", "host_path", "present", "type", "units", "device_number", "uid", "gid",
-               "owner", "mode", "non_root", "char_link", "nodes"}
+               "owner", "mode", "non_root", "char_link", "nodes", "pods"}
 
 
 def as_json(cfg, unit=None):
@@ -35,6 +35,10 @@ def test_ready_node_as_json(node):
     assert doc["config"] is None and doc["dev_root"] == node.dev and doc["plugin_dir"] == node.dp
     [dev] = doc["devices"]
     assert set(dev) == DEVICE_KEYS
+    pods = dev.pop("pods")
+    assert [(p["kind"], p["opens"], p["fix"] is not None) for p in pods] == [
+        ("root", "yes", False), ("non-root", "yes", False), ("non-root-with-group", "yes", False),
+        ("non-root-cdi", "no", True), ("user-namespace", "no", True)]  # the fake node is not the host's /dev/kvm
     assert dev == dict(resource="ate.dev/kvm", path="/dev/kvm", host_path=f"{node.dev}/kvm", present=True,
                        type="char device 1:3", units=1024, device_number="1:3", uid=0, gid=0, owner="root:root",
                        mode="0666", non_root="yes", char_link=f"{node.dev}/char/1:3",
@@ -42,9 +46,10 @@ def test_ready_node_as_json(node):
                                    numa=[], pci=[], present=True, allowed=True, state="ok")])
     for f in doc["findings"]:
         assert set(f) == FINDING_KEYS and f["status"] in ("ok", "problem", "warning"), f
-    assert {f["check"] for f in doc["findings"]} == {"device", "char-link", "non-root", "plugin-dir", "sandbox", "metrics",
-                                                    "kubelet-socket"}
-    assert all(f["status"] == "ok" for f in doc["findings"]), doc["findings"]
+    assert {f["check"] for f in doc["findings"]} == {"device", "char-link", "non-root", "pod-kind", "plugin-dir",
+                                                    "sandbox", "metrics", "kubelet-socket"}
+    assert all(f["status"] == "ok" for f in doc["findings"] if f["check"] != "pod-kind"), doc["findings"]
+    assert [f["status"] for f in doc["findings"] if f["check"] == "pod-kind"] == ["ok"] * 3 + ["warning"] * 2
     assert doc["kubelet_view"]["counts"] is None and "no pod-resources API" in doc["kubelet_view"]["note"]
     assert doc["drop_in"] is None
 

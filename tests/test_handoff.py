@@ -145,7 +145,7 @@ class FakeNode:
 
     def __init__(self):
         self.told, self.handed_off, self.held_ready, self.registered, self.stopping = [], False, False, False, False
-        self.host = None
+        self.host = type("Host", (), {"cdi": None})()
 
     def tell_all(self, now, event):
         self.told.append(event)

@@ -156,6 +156,7 @@ def test_deb_maintainer_scripts_enable_start_reload_and_stop_the_unit(deb):
     assert "deb-systemd-invoke stop" not in preinst, preinst
     assert "deb-systemd-helper purge 'atedevd.service'" in script["postrm"]
     assert "rmdir \"$standby\"" in script["postrm"]  # a killed daemon's standby directory goes too
+    assert "find /run/cdi -maxdepth 1 \\( -name 'atedevd-*.json'" in script["postrm"]  # and its CDI specs
 
 
 @pytest.mark.parametrize("unit_changed, expected", [(False, "reload"), (True, "restart")])
@@ -321,6 +322,13 @@ def test_rpm_systemd_scriptlets_do_the_usual_thing(rpm, tmp_path, scriptlet, arg
     run("/bin/sh", "-ec", script, "scriptlet", arg, env=dict(ENV, PATH=f"{stub}:/usr/bin:/bin"))
     calls = log.read_text().splitlines() if log.exists() else []
     assert calls == expected
+
+
+def test_rpm_erase_removes_our_cdi_specs_only(rpm):
+    """A killed daemon leaves its CDI specs in /run/cdi: an erase removes ours (atedevd-*.json), no one else's."""
+    script = scriptlets(rpm)["postuninstall"]
+    assert re.search(r'if \[ "\$1" -eq 0 \] && \[ -d /run/cdi \] && \[ ! -L /run/cdi \]; then\n    find /run/cdi '
+                     r"-maxdepth 1 \\\( -name 'atedevd-\*\.json' -o -name '\.atedevd-\*\.tmp' \\\)", script), script
 
 
 @pytest.mark.parametrize("unit_changed, expected", [(False, "reload"), (True, "try-restart")])

@@ -505,7 +505,7 @@ def test_custom_kubelet_root_needs_the_drop_in_that_check_prints(clean):
             "", "-- No entries --")
         rw = node.show("atedevd", "ReadWritePaths")["ReadWritePaths"]
         # The default directory's exception is gone; node_exporter's is kept.
-        assert rw.split() == [f"-{K0S_PLUGIN_DIR}", "-/var/lib/prometheus/node-exporter"], rw
+        assert rw.split() == [f"-{K0S_PLUGIN_DIR}", "-/var/lib/prometheus/node-exporter", "-/run/cdi"], rw
         p = node.run("atedevd", "check", check=False)
         assert p.returncode == 0, p.stdout
         assert f"{K0S_PLUGIN_DIR} writable (ReadWritePaths=)" in p.stdout

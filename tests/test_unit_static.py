@@ -161,7 +161,9 @@ def test_sandbox_keeps_what_the_daemon_needs(unit):
     assert one(unit, "Service", "ProtectSystem") == "strict"
     # "-": systemd binds ReadWritePaths= even for the "+" mkdir that creates it (see below).
     # The second: node_exporter's textfile directory (atedevd.prom), only where it exists.
-    assert values(unit, "Service", "ReadWritePaths") == ["-/var/lib/kubelet/device-plugins", "-/var/lib/prometheus/node-exporter"]
+    # The third: the runtimes' dynamic CDI spec directory (cdi = true), which the same mkdir makes.
+    assert values(unit, "Service", "ReadWritePaths") == ["-/var/lib/kubelet/device-plugins", "-/var/lib/prometheus/node-exporter",
+                                                         "-/run/cdi"]
     assert one(unit, "Service", "RestrictAddressFamilies") == "AF_UNIX"
     # Set and empty: no capabilities at all (an unset key would mean all of them).
     assert ("CapabilityBoundingSet", "") in unit["Service"] and values(unit, "Service", "CapabilityBoundingSet") == []
@@ -173,6 +175,7 @@ def test_missing_plugin_dir_is_created_before_the_sandbox(unit):
     test_systemd.py proves it under systemd, with the directory missing and present."""
     pre = values(unit, "Service", "ExecStartPre")
     assert any(p.startswith("-+") and "mkdir -p" in p and p.endswith("/var/lib/kubelet/device-plugins") for p in pre), pre
+    assert any(p.startswith("-+") and "mkdir -p" in p and " /run/cdi " in p for p in pre), pre
 
 
 def test_installed_for_multi_user(unit):
