@@ -8,9 +8,10 @@ a nudge); after every wake-up, `wake` runs what is due and makes what is
 served match what exists. All I/O goes through the host.
 """
 
+import itertools
 import logging
 import os
-from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence
+from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence
 
 import inotify.constants as ic
 
@@ -68,6 +69,10 @@ class Node:
         self.kubelet = KubeletView(plugin_dir, host.identity)
         self.pod_resources = PodResourcesClient(host)  # every resource's questions, within one budget
         self.resources: Dict[str, Resource] = {}
+        # Removed by a reload, until kubelet has let go of them (bounded): one configured again
+        # meanwhile is served once its old self is gone (kubelet <= 1.36 tears down by name).
+        self.leaving: Dict[str, Resource] = {}
+        self._numbers: Dict[str, Iterator[int]] = {}  # each resource's socket names, for the whole run
         self.stopping = False
         self.held = False  # a successor's: serve, but register only once released (atedevd/handoff.py)
         self.inherited: FrozenSet[str] = frozenset()  # a successor's: the resources its predecessor served
@@ -75,17 +80,17 @@ class Node:
     # --- configuration -------------------------------------------------------------------------
 
     def apply(self, devices: Sequence[Device], dev_root: str, sys_root: str, now: float) -> None:
-        """Adopt these devices: added start, removed stop, changed are told (they go out on
-        the open stream, or register anew), unchanged are not touched."""
+        """Adopt these devices: added start, removed stop (as at SIGTERM), changed are told
+        (they go out on the open stream, or register anew), unchanged are not touched."""
         moved = (dev_root, sys_root) != (self.dev_root, self.sys_root)
         self.dev_root, self.sys_root = dev_root, sys_root
         wanted = {d.resource: d for d in devices}
         for name in list(self.resources):
             r = self.resources[name]
-            if name not in wanted:
-                r.handle(now, m.CloseAll())
-                del self.resources[name]
-                self.host.say(INFO, "resource-removed", f"{name}: no longer configured; stopped serving it", resource=name)
+            if name not in wanted:  # it stops as at SIGTERM: kubelet lets go of it first (bounded)
+                r.handle(now, m.Stop())
+                self.leaving[name] = self.resources.pop(name)
+                self.host.say(INFO, "resource-removed", f"{name}: no longer configured; stopping serving it", resource=name)
             elif wanted[name] != r.device or moved:
                 d = wanted[name]
                 how = "registering it anew" if r.reconfigure(d, dev_root, sys_root, now) else \
@@ -94,7 +99,8 @@ class Node:
         for name, device in wanted.items():
             if name not in self.resources:
                 r = self.resources[name] = Resource(device, dev_root, sys_root, self.host, self.pod_resources,
-                                                    self.run_id, self.serve_failed)
+                                                    self.run_id, self.serve_failed,
+                                                    self._numbers.setdefault(name, itertools.count(1)))
                 r.advertised |= name in self.inherited  # its predecessor served it (Unhealthy, maybe): so do we
 
     def accept_nodes(self) -> None:
@@ -105,11 +111,11 @@ class Node:
     # --- what happened ---------------------------------------------------------------------------
 
     def on_directory_events(self, events: Iterable, now: float) -> DirectoryNews:
-        news = interpret(events, self.plugin_dir, self.resources)
+        news = interpret(events, self.plugin_dir, [*self.resources, *self.leaving])
         if self.stopping:
             return news
         self.look_at_kubelet(now, news.kubelet_created, news.events_lost)
-        for r in self.resources.values():
+        for r in self.all_resources():
             if news.events_lost or not news.directories.isdisjoint(r.directories):
                 r.nodes_may_have_changed()
             r.check_sockets(now)
@@ -120,7 +126,7 @@ class Node:
     def look_at_kubelet(self, now: float, created: bool, lost: bool) -> None:
         """Tell every resource when kubelet.sock appeared anew or went away."""
         if self.kubelet.refresh(created, events_lost=lost):
-            for r in self.resources.values():
+            for r in self.all_resources():
                 r.kubelet_started(now, self.kubelet)
         elif self.kubelet.gone:
             self.kubelet.gone = False
@@ -134,10 +140,14 @@ class Node:
             self.pod_resources.on_timer(now)
         if not self.stopping and any(r.retry_due(now) for r in self.resources.values()):
             self.look_at_kubelet(now, created=False, lost=True)  # in case an event was lost
-        for r in list(self.resources.values()):
+        for r in self.all_resources():
             at = r.deadline
             if at is not None and at <= now:
                 r.on_timer(now)
+        for name, r in list(self.leaving.items()):
+            if r.stopped:  # kubelet let go of it: gone, and a new one of its name may be served
+                r.handle(now, m.CloseAll())
+                del self.leaving[name]
         return self.reconcile(now)
 
     def reconcile(self, now: float) -> bool:
@@ -150,7 +160,7 @@ class Node:
             r.look_at_device(now)
             if not dir_ok:
                 r.handle(now, m.Unserve("the plugin directory is gone"))
-            elif r.advertised:
+            elif r.advertised and r.name not in self.leaving:
                 if r.state is State.UNSERVED:
                     r.serve(now, self.kubelet, self.held)
                     began |= r.state is not State.UNSERVED
@@ -162,8 +172,12 @@ class Node:
     def tell_all(self, now: float, event: m.Event) -> None:
         """Every resource's registration is told: an upgrade's step (`HandOff`, `TakeBack`,
         `RegisterAgain`), or the last word (`CloseAll`)."""
-        for r in self.resources.values():
+        for r in self.all_resources():
             r.handle(now, event)
+
+    def all_resources(self) -> List[Resource]:
+        """Every resource, and those no longer configured that kubelet has yet to let go of."""
+        return [*self.resources.values(), *self.leaving.values()]
 
     def release(self, now: float) -> None:
         """A successor's: register now."""
@@ -198,12 +212,12 @@ class Node:
 
     @property
     def stopped(self) -> bool:
-        return self.stopping and all(r.stopped for r in self.resources.values())
+        return self.stopping and all(r.stopped for r in self.all_resources())
 
     def deadline(self) -> Optional[float]:
         """When the loop must wake next for a timer (each machine's timers read once: the loop
         asks after every wake-up)."""
-        times = [at for at in (r.deadline for r in self.resources.values()) if at is not None]
+        times = [at for at in (r.deadline for r in self.all_resources()) if at is not None]
         at = self.pod_resources.deadline
         if at is not None:
             times.append(at)

@@ -13,7 +13,7 @@ It decides nothing: `atedevd/registration/` does.
 
 import logging
 import os
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, Iterator, List, Optional, Set
 
 from atedevd import sockets
 from atedevd.plugin import StreamEvent
@@ -30,7 +30,7 @@ class Performer:
     what comes back later, on the loop."""
 
     def __init__(self, owner, host, pod_resources, run_id: str, serve_failed,
-                 deliver: Callable[[m.Event], None]) -> None:
+                 deliver: Callable[[m.Event], None], numbers: Iterator[int]) -> None:
         self.owner = owner
         self.deliver = deliver
         self.host = host
@@ -41,7 +41,7 @@ class Performer:
         self.servers: Dict[int, object] = {}  # by socket id
         self._calls: Dict[int, object] = {}  # by call id, for cancelling
         self._told_gone: Set[int] = set()  # sockets the machine was told are deleted
-        self._names = 0  # socket names used
+        self._numbers = numbers  # of the socket names: the run's for this resource (one removed and added again goes on)
         self.registers_sent = 0
 
     @property
@@ -55,9 +55,8 @@ class Performer:
     # --- the actions -------------------------------------------------------------------------
 
     def _bind(self, a: m.Bind) -> Optional[m.Event]:
-        self._names += 1
         directory = os.path.join(self.plugin_dir, sockets.STANDBY_DIR) if a.standby else self.plugin_dir
-        path = os.path.join(directory, sockets.socket_name(self.name, self.run_id, self._names))
+        path = os.path.join(directory, sockets.socket_name(self.name, self.run_id, next(self._numbers)))
         server = self.host.server(self.owner.device, path, self.owner.stream_slots, self.owner.allocations,
                                   lambda kind, sid=a.sid: self._stream_event(kind, sid))
         server.publish(self.owner.snapshot)

@@ -10,7 +10,6 @@ with sd_notify, the upgrade's channel and the metrics file; the simulation with 
 clock and its channel. `ACTIONS` lists them; a test holds both tables to it.
 """
 
-import logging
 from typing import Callable, Dict, List, Optional, Tuple, Type, Union
 
 from atedevd.handoff import (BecomeMain, Exit, MainPid, Message, Predecessor, Send, StopSuccessor, Successor,

@@ -8,9 +8,10 @@ its stream budget and Allocate counts; and it hands STATUS= and the metrics one
 typed `Report`. `atedevd/node.py` tells it what happened.
 """
 
+import itertools
 import os
 import threading
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 from atedevd import cdi_keeper, devices, sockets
 from atedevd.config import Device
@@ -42,7 +43,7 @@ def node_table(device: Device, dev_root: str, sys_root: str):
 
 class Resource:
     def __init__(self, device: Device, dev_root: str, sys_root: str, host, pod_resources, run_id: str,
-                 serve_failed) -> None:
+                 serve_failed, numbers: Optional[Iterator[int]] = None) -> None:
         self.device = device
         self.host = host
         self.table = node_table(device, dev_root, sys_root)  # its nodes as last looked at
@@ -62,7 +63,7 @@ class Resource:
                                     standby_possible=len(os.fsencode(longest)) <= sockets.MAX_SOCKET_PATH,
                                     device_path=device.path, connections_visible=host.connections_visible())
         self.performer = Performer(self, host, pod_resources, run_id, serve_failed,
-                                   lambda event: self.handle(host.monotonic(), event))
+                                   lambda event: self.handle(host.monotonic(), event), numbers or itertools.count(1))
 
     @property
     def name(self) -> str:
@@ -197,8 +198,9 @@ class Resource:
 
     @property
     def handed_off(self) -> bool:
-        """A predecessor's: kubelet let go of its streams (or it has none)."""
-        return self.state not in (State.HANDING_OFF, *SERVED)
+        """A predecessor's: kubelet let go of its streams (or it has none: served again after its
+        directory came back, but held)."""
+        return self.state not in (State.HANDING_OFF, *SERVED) or (self.state is State.WAITING and self.machine.held)
 
     # --- what it tells ----------------------------------------------------------------------
 

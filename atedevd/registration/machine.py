@@ -23,7 +23,7 @@ kubelet opens ListAndWatch and, where it can be asked, counts our devices.
 """
 
 import logging
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from atedevd.registration import messages as m
 from atedevd.registration.attempts import SLOW_RETRY_S, Retry
@@ -81,10 +81,6 @@ class Registration:
         self.actions.clear()
         return actions
 
-    def deadlines(self) -> Dict[Timer, Optional[float]]:
-        """Every named timer: when it is due (None: not set). The parts keep their own."""
-        return {timer: deadline(self) for timer, deadline, _ in _TIMERS}
-
     def get_timer(self) -> Optional[float]:
         """When `handle_timer` is due next (the loop asks after every wake-up: no table walk)."""
         a = self.attempts
@@ -115,17 +111,15 @@ class Registration:
         return self.book.held()
 
     @property
+    def held(self) -> bool:
+        """Served, but registering only once released (an upgrade's successor, or a predecessor
+        that handed over and was unserved meanwhile)."""
+        return self.moves.held
+
+    @property
     def standby_ready(self) -> bool:
         """The next registration's socket is serving (or none is possible)."""
         return not self.moves.standby_possible or self.book.is_bound(self.book.standby)
-
-    def unseen_registrations(self) -> List[int]:
-        """Sockets named in a Register that kubelet may still be completing, and whose
-        teardown nothing could show: the one in flight, and the current one until
-        pod-resources has listed our devices."""
-        call, current = self.attempts.call, self.book.current
-        return ([call.sid] if call is not None else []) + \
-            ([current] if current is not None and not self.book.listed_seen else [])
 
     def shown(self) -> tuple:
         """What its report shows: it changed when this did (cheaper to compare than the report)."""
@@ -160,8 +154,11 @@ class Registration:
             return
         if self.moves.state in STREAMING:
             self.tally.lost(now, WARNING, "registration-lost", f"lost registration: {e.why}")
+        handed = self.moves.state in HANDED
         self.moves.close_all()
         self.moves.move(State.UNSERVED, now)
+        if handed:  # its successor registers: served again, it waits to be told to take back
+            self.moves.hold(Why.TAKEN_BACK)
 
     def _publish(self, now: float, e: m.Publish) -> None:
         self.moves.advertise(e.units, e.healthy_units)
@@ -215,7 +212,8 @@ class Registration:
             self.moves.attempt(now, Why.TAKEN_BACK)
 
     def _take_back(self, now: float, e: m.TakeBack) -> None:
-        if self.moves.state in HANDED:
+        held = self.moves.release()  # (unserved while handing over, and held since)
+        if self.moves.state in HANDED or (held and self.moves.state is State.WAITING):
             self.moves.take_back(now)
 
     def _close(self, now: float, e: m.CloseAll) -> None:
@@ -234,6 +232,7 @@ class Registration:
         restarted = not e.ours_present
         if self.moves.state in HANDED:  # the successor registers with the new kubelet
             if restarted and self.moves.state is State.HANDING_OFF:
+                self.attempts.cancel()  # a Register in flight went to the kubelet that is gone
                 self.moves.handed_off(now)  # the kubelet that held our streams is gone
             return
         if self.attempts.reached(e.at) and not restarted:
@@ -408,9 +407,6 @@ class Registration:
             return
         self.moves.attempt(now, self.attempts.why)
 
-    def _timer_standby(self, now: float) -> None:
-        self.book.on_timer(self.moves.state not in IDLE and self.moves.standby_possible)
-
     def _timer_serve(self, now: float) -> None:
         self.moves.cancel_serve()
         if self.moves.state is State.UNSERVED:  # binding failed: a directory made writable raises no event
@@ -435,24 +431,18 @@ class Registration:
         if self.moves.state is State.REGISTERED and self.questions.asked is Question.NONE:
             self.questions.ask(Question.CHECK)
 
-    def _timer_ask(self, now: float) -> None:
-        self.questions.on_timer()
-
-    def _timer_warn(self, now: float) -> None:
-        self.tally.on_timer(now, self.moves.state is State.REGISTERED)
-
-    # --- moves ---------------------------------------------------------------------------------
 
 # Every named timer: when it is due, and what it does then (`handle_timer`, in this order).
 _TIMERS = (
     (Timer.RETRY, lambda r: r.attempts.deadline, Registration._timer_retry),
-    (Timer.STANDBY, lambda r: r.book.deadline, Registration._timer_standby),
+    (Timer.STANDBY, lambda r: r.book.deadline,
+     lambda r, now: r.book.on_timer(r.moves.state not in IDLE and r.moves.standby_possible)),
     (Timer.SERVE, lambda r: r.moves.serve_at, Registration._timer_serve),
     (Timer.VERIFY, lambda r: r.attempts.verify_by, Registration._timer_verify),
     (Timer.HANDOVER, lambda r: r.handover.deadline, Registration._timer_handover),
     (Timer.CHECK, lambda r: r.check.deadline, Registration._timer_check),
-    (Timer.ASK, lambda r: r.questions.deadline, Registration._timer_ask),
-    (Timer.WARN, lambda r: r.tally.deadline, Registration._timer_warn),
+    (Timer.ASK, lambda r: r.questions.deadline, lambda r, now: r.questions.on_timer()),
+    (Timer.WARN, lambda r: r.tally.deadline, lambda r, now: r.tally.on_timer(now, r.moves.state is State.REGISTERED)),
 )
 _DEADLINE = {timer: deadline for timer, deadline, _ in _TIMERS}
 _HANDLERS = {

@@ -47,7 +47,6 @@ TRANSITIONS = (
     (State.REGISTERING, State.LETTING_GO, "Register returned OK, but a trigger came meanwhile"),
     (State.VERIFYING, State.REGISTERED, "kubelet opened ListAndWatch on the new socket"),
     (State.VERIFYING, State.WAITING, "no stream within VERIFY_S; the stream ended at once"),
-    (State.VERIFYING, State.LETTING_GO, "the stream ended, the socket was deleted, the configuration changed"),
     (State.VERIFYING, State.REGISTERING, "kubelet restarted"),
     (State.REGISTERED, State.LETTING_GO, "the stream ended, the socket was deleted, the configuration changed, not counted"),
     (State.REGISTERED, State.REGISTERING, "kubelet restarted: nothing to hand over"),
@@ -108,9 +107,11 @@ class Moves:
         if at is not None:
             self.kubelet_at = at
 
-    def hold(self) -> None:
-        """A successor's: serve, but register only once released (its first is an upgrade's)."""
-        self.held, self.first_why = True, Why.UPGRADE
+    def hold(self, why: Why = Why.UPGRADE) -> None:
+        """Serve, but register only once released, for `why`: a successor's until its
+        predecessor says GO (an upgrade's); a predecessor's that has handed over until it is
+        told to take back."""
+        self.held, self.first_why = True, why
 
     def release(self) -> bool:
         """Released from holding; whether it was held."""
@@ -162,6 +163,8 @@ class Moves:
     def attempt(self, now: float, why: Why, wait: bool = True) -> None:
         """Register on a fresh socket. First the socket kubelet knew retires and, unless
         kubelet restarted (`wait` False), kubelet is given time to let go of it."""
+        if self.held:
+            return  # an upgrade's successor, or a predecessor that handed over: `Release` or `TakeBack` begins it
         if self.attempts.call is not None or self.book.placing is not None:
             self.attempts.defer(why)  # one Register in flight per resource
             return

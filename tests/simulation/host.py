@@ -30,6 +30,8 @@ class _NoCall:
 
 
 class SimHost:
+    cdi = None  # no CDI specs unless the world gives the process some
+
     def __init__(self, world, daemon) -> None:
         self.w = world
         self.d = daemon
@@ -52,7 +54,7 @@ class SimHost:
         return (sock.inode, int(sock.created * 1e9)) if sock else None
 
     def isdir(self, path: str) -> bool:
-        return True
+        return self.w.fs.present
 
     def exists(self, path: str) -> bool:
         return path != self.pod_resources_socket or self.w.kubelet.pod_resources

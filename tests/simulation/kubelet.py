@@ -97,6 +97,7 @@ class KubeletModel:
         for name in self.checkpoint:  # known resources come back at capacity 0, endpoint stopped
             inc.endpoints[name] = Endpoint(None, None, stopped_at=self.w.now)
             inc.healthy[name] = 0
+        self.w.fs.make_dir()  # (kubelet makes its directory, if it is gone)
         self.w.fs.wipe()
         self.w.fs.create_kubelet_sock(inc)
         self.w.after(self.w.delay(), self._listen, inc)

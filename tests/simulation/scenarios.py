@@ -144,6 +144,69 @@ def upgrade_successor_killed(w: World) -> None:
     w.after(w.rng.uniform(0, 3.0), kill)
 
 
+def plugin_dir_removed(w: World) -> None:
+    """kubelet's directory is deleted with everything in it, and made again when kubelet is
+    restarted 0.05-1.5 s later, once or twice: nothing is served meanwhile (every state of
+    the registration can be the one it meets), then everything is. Half the time atedevd is
+    restarted while the directory is gone."""
+    def remove():
+        w.fs.remove_dir()
+        gap = w.rng.uniform(0.05, 1.5)
+
+        def back():
+            w.kubelet.kill()
+            w.kubelet.start()
+        w.after(gap, back)
+        if w.rng.random() < 0.5:
+            w.after(w.rng.uniform(0, gap), w.restart_unit)
+    for _ in range(w.rng.randint(1, 2)):
+        w.after(w.rng.uniform(0, 3.0), remove)
+
+
+def kubelet_gone_a_while(w: World) -> None:
+    """kubelet is stopped and its socket deleted; it is back 1-25 s later (the daemon waits,
+    looking again every 10 s in case an event was lost)."""
+    def stop():
+        w.kubelet.kill()
+        w.fs.unlink("kubelet.sock")
+        w.after(w.rng.uniform(1.0, 25.0), w.kubelet.start)
+    w.after(w.rng.uniform(0, 2.0), stop)
+
+
+def upgrade_disturbed(w: World) -> None:
+    """An upgrade, and around it one of: a kubelet restart, kubelet's directory deleted (and
+    made again by a kubelet restart), or `systemctl restart` of the unit (SIGTERM to both
+    processes, a new start once both have exited)."""
+    w.after(w.rng.uniform(0, 2.0), lambda: w.daemon and w.daemon.upgrade(overlap=w.kubelet.mode == "current"))
+    what = w.rng.choice(("kubelet-restart", "plugin-dir-removed", "unit-restart"))
+    if what == "kubelet-restart":
+        _kubelet_restart(w, 0.2)
+    elif what == "plugin-dir-removed":
+        def remove():
+            w.fs.remove_dir()
+
+            def back():
+                w.kubelet.kill()
+                w.kubelet.start()
+            w.after(w.rng.uniform(0.05, 1.5), back)
+        w.after(w.rng.uniform(0, 3.0), remove)
+    else:
+        w.after(w.rng.uniform(0, 3.0), w.restart_unit)
+
+
+def sighup_resource_removed_and_back(w: World) -> None:
+    """A reload drops the pattern resource (every socket of it closes, whatever its
+    registration was doing), a second puts it back 0-2 s later; a kubelet restart may
+    come around them."""
+    def drop():
+        if w.daemon is not None:
+            w.daemon.reload(w.daemon.count, pattern=False)
+            w.after(w.rng.uniform(0, 2.0), lambda: w.daemon and w.daemon.reload(w.daemon.count, pattern=True))
+    w.after(w.rng.uniform(0, 2.0), drop)
+    if w.rng.random() < 0.5:
+        _kubelet_restart(w, 0.2)
+
+
 def kubelet_restart_during_daemon_restart(w: World) -> None:
     w.after(w.rng.uniform(0, 1.0), w.restart_daemon, w.rng.choice(("sigterm", "kill")))
     _kubelet_restart(w, 0.2)
@@ -164,6 +227,10 @@ SCENARIOS: Dict[str, Callable[[World], None]] = {
     "unit-unplugged-and-back": unit_unplugged_and_back,
     "upgrade-handover": upgrade_handover,
     "upgrade-successor-killed": upgrade_successor_killed,
+    "upgrade-disturbed": upgrade_disturbed,
+    "plugin-dir-removed": plugin_dir_removed,
+    "kubelet-gone-a-while": kubelet_gone_a_while,
+    "sighup-resource-removed-and-back": sighup_resource_removed_and_back,
 }
 
 

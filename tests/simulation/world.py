@@ -61,7 +61,8 @@ def unplug(n: int) -> None:
 
 def plug(n: int) -> None:
     os.symlink(_NODES[f"unit{n}"], os.path.join(_dev_root, f"unit{n}"))
-_MASKS = {"create": ic.IN_CREATE, "delete": ic.IN_DELETE, "moved_to": ic.IN_MOVED_TO}
+_MASKS = {"create": ic.IN_CREATE, "delete": ic.IN_DELETE, "moved_to": ic.IN_MOVED_TO,
+          "gone": ic.IN_DELETE_SELF, "made": ic.IN_CREATE | ic.IN_ISDIR}
 
 
 class World:
@@ -136,6 +137,20 @@ class World:
             d.sigterm()
 
 
+    def restart_unit(self) -> None:
+        """`systemctl restart`: SIGTERM to every process of the unit (an upgrade's two, too),
+        and a new start once all have exited."""
+        alive = list(self.processes)
+        count = self.daemon.count if self.daemon else self.count
+
+        def exited():
+            if not self.processes:
+                self.after(self.delay(), self.start_daemon, count)
+        for d in alive:
+            d.on_exit = exited
+            d.sigterm()
+
+
 class Sock:
     """kubelet.sock: which kubelet process made it."""
 
@@ -156,6 +171,7 @@ class Directory:
         self._pending: List[tuple] = []  # events not yet read by the daemon
         self._delivery_at: Optional[float] = None
         self.dropping_until = -1.0  # events lost (queue overflow) until then
+        self.present = True  # the directory itself exists
 
     def inode(self) -> int:
         self._inode += 1
@@ -177,6 +193,22 @@ class Directory:
         for d in list(self.w.processes):  # each process has its own inotify watch
             d.fs_events(batch)
 
+    # anyone's side
+    def remove_dir(self) -> None:
+        """The directory goes, with everything in it (`rm -r`: each entry, then the directory)."""
+        for name in list(self.entries):
+            del self.entries[name]
+            self._event("delete", name)
+        self.standby.clear()
+        self.present = False
+        self._event("gone", "")
+
+    def make_dir(self) -> None:
+        """The directory is made again (kubelet makes it at start)."""
+        if not self.present:
+            self.present = True
+            self._event("made", "")
+
     # kubelet's side
     def wipe(self) -> None:
         """A starting kubelet deletes every socket in the directory, never subdirectories."""
@@ -194,6 +226,8 @@ class Directory:
 
     # our side
     def bind(self, server: SimServer, standby: bool) -> None:
+        if not self.present:
+            raise FileNotFoundError(2, "No such file or directory")
         server.inode = self.inode()
         if standby:
             self.standby[server.name] = server
@@ -202,7 +236,7 @@ class Directory:
             self._event("create", server.name)
 
     def place(self, server: SimServer) -> bool:
-        if self.standby.get(server.name) is not server:
+        if not self.present or self.standby.get(server.name) is not server:
             return False
         del self.standby[server.name]
         self.entries[server.name] = server
@@ -250,6 +284,7 @@ class AtedevdProcess:
         self.on_exit = None
         self._wake_at: Optional[float] = None
         self.parent, self.child = parent, None
+        self.pattern = parent.pattern if parent is not None else True  # the pattern resource is configured
         self.status = ""  # STATUS=, as it would be sent
         self.metrics_due = 0  # times the metrics would have been written
         self.started_work = False
@@ -259,10 +294,11 @@ class AtedevdProcess:
         return self.node.resources[RESOURCE]
 
     def devices(self, count: int) -> List[Device]:
-        return [Device(RESOURCE, "/dev/null", count), Device(PATTERN_RESOURCE, PATTERN)]
+        shared = Device(RESOURCE, "/dev/null", count)
+        return [shared, Device(PATTERN_RESOURCE, PATTERN)] if self.pattern else [shared]
 
     def servers(self) -> List[SimServer]:
-        return [s for r in self.node.resources.values() for s in r.performer.servers.values()]
+        return [s for r in self.node.all_resources() for s in r.performer.servers.values()]
 
     # --- the process: what Daemon.run, its signals and its loop do ---------------------------------
 
@@ -279,11 +315,12 @@ class AtedevdProcess:
             self.process.stop(self.w.now)
             self.woke()
 
-    def reload(self, count: int) -> None:
-        """SIGHUP: a changed resource is served anew; an unchanged one is not touched."""
+    def reload(self, count: int, pattern: bool = True) -> None:
+        """SIGHUP: a changed resource is served anew; an unchanged one is not touched; one no
+        longer configured (`pattern` False: the pattern resource) is closed."""
         if not self.alive or self.node.stopping or self.process.upgrading is not None:
             return
-        self.count = count
+        self.count, self.pattern = count, pattern
         self.node.accept_nodes()
         self.node.apply(self.devices(count), self.w.dev_root, "/sys", self.w.now)
         self.node.reconcile(self.w.now)
@@ -297,8 +334,8 @@ class AtedevdProcess:
         self.w.after(self.w.delay(), self._spawn)
 
     def _spawn(self) -> None:
-        p = self.process.predecessor
-        if self.alive and p is not None and p.phase is UpgradePhase.STARTING:
+        p = self.process.predecessor  # (the daemon starts it at once: nothing can come between)
+        if self.alive and not self.node.stopping and p is not None and p.phase is UpgradePhase.STARTING:
             self.child = self.w.start_daemon(self.count, parent=self)
 
     def tell(self, message: Optional[Message]) -> None:
@@ -323,8 +360,11 @@ class AtedevdProcess:
                 other.tell(None)  # its end of the channel closes
         # A registration in progress goes on in kubelet. Unless kubelet already listed its
         # devices, its teardown will not show in pod-resources: no later process can see it.
-        for r in self.node.resources.values():
-            for sid in r.machine.unseen_registrations():
+        for r in self.node.all_resources():
+            call, book = r.machine.attempts.call, r.machine.book  # (the machine's parts, as a test reads them)
+            unseen = ([call.sid] if call is not None else []) + \
+                ([book.current] if book.current is not None and not book.listed_seen else [])
+            for sid in unseen:
                 name = r.performer.socket_name(sid)
                 if name is not None:
                     self.w.orphaned.add(name)
