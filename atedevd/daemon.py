@@ -59,7 +59,7 @@ class Daemon:
         self.metrics = metrics.TextfileWriter(None if parent else metrics.resolve_dir(cfg.metrics_dir))
         self._run_id = sockets.new_run_id()
         self.host = Host(cfg.device_plugin_dir, self._workers, self.inbox.post)
-        self.host.cdi = cdi_keeper.Specs(self.host.say, sharing=parent is not None)  # a successor keeps its predecessor's
+        self.cdi = self.host.cdi = cdi_keeper.Specs(self.host.say, sharing=parent is not None)  # a successor keeps its predecessor's
         node = Node(cfg.device_plugin_dir, cfg.dev_root, cfg.sys_root, self.host, self._run_id, self._serve_failed)
         if parent is not None:  # serve, but register once the predecessor says so
             node.held, node.inherited = True, parent.inherited
@@ -103,9 +103,9 @@ class Daemon:
             if self.notifier.watchdog_interval and now >= next_watchdog:
                 self.notifier.watchdog()
                 next_watchdog = now + self.notifier.watchdog_interval
-            deadlines = [self.process.deadline(), self._watcher.poll_deadline(),  # directories inotify could not watch are polled
-                         next_watchdog if self.notifier.watchdog_interval else None, self.metrics.deadline()]
-            deadlines = [d for d in deadlines if d is not None]
+            deadlines = [d for d in (self.process.deadline(), self._watcher.poll_deadline(),  # unwatched directories are polled
+                                     next_watchdog if self.notifier.watchdog_interval else None, self.metrics.deadline())
+                         if d is not None]
             for fd in _wait(fds, watched, None if not deadlines else min(deadlines) - now):
                 if fd == self._sig_r:
                     self._on_signals(os.read(fd, 64))
@@ -122,7 +122,8 @@ class Daemon:
             if poll_at is not None and time.monotonic() >= poll_at:
                 self.node.on_directory_events(self._watcher.read(), time.monotonic())
             self._perform(self.process.wake(time.monotonic()))
-            if self.metrics.deadline() is not None and time.monotonic() >= self.metrics.deadline():
+            due = self.metrics.deadline()
+            if due is not None and time.monotonic() >= due:
                 self._write_metrics()  # a change held back by the interval, or the refresh
 
     def _perform(self, actions: List[ProcessAction]) -> None:
@@ -150,11 +151,11 @@ class Daemon:
 
     def _shutdown(self) -> None:
         if self._handed_over:
-            event(INFO, "stopping", f"handed over to the new atedevd (pid {self.peers.child.pid}); removing our sockets")
+            event(INFO, "stopping", f"handed over to the new atedevd (pid {self.peers.successor_pid}); removing our sockets")
         else:
             event(INFO, "stopping", "stopping: removing our sockets")
         self.node.close(time.monotonic())
-        self.host.cdi.close(self._handed_over)  # the specs nothing else will serve
+        self.cdi.close(self._handed_over)  # the specs nothing else will serve
         sockets.remove_standby_dir(self.cfg.device_plugin_dir)  # nothing of ours left in kubelet's directory
         self._write_metrics(force=True)  # the last word: every resource stopped, not registered (not after a handover: off)
         self._workers.shutdown(wait=False)
@@ -204,7 +205,7 @@ class Daemon:
         if not first:  # the first pass runs on the threads started in __init__; run() starts the rest
             self._workers.grow(len(cfg.devices))
         now = time.monotonic()
-        self.host.cdi.configure(cfg)  # before a resource's first snapshot
+        self.cdi.configure(cfg)  # before a resource's first snapshot
         self.node.apply(cfg.devices, cfg.dev_root, cfg.sys_root, now)
         self._watcher.want([cfg.device_plugin_dir] + [p for d in cfg.devices for p in devices.directories(d, cfg.dev_root)])
         if self.node.reconcile(now):
@@ -252,7 +253,7 @@ class Daemon:
         self.peers.stop_successor(a.kill)
 
     def _main_pid(self, a: handoff.MainPid) -> None:
-        self.notifier.hand_over(self.peers.child.pid)
+        self.notifier.hand_over(self.peers.successor_pid)
 
     def _exit(self, a: handoff.Exit) -> None:
         self._handed_over = True  # no STOPPING=1: the unit goes on, with the new main process
@@ -283,7 +284,8 @@ class Daemon:
                               reload_ok=self.process.reload_error is None, wall_offset=self._wall_offset.current())
 
 
-_DO: Dict[type, Callable[[Daemon, ProcessAction], None]] = {  # type: ignore[dict-item]
+# (A type checker cannot tie each key to its function's parameter: tests/test_dispatch.py does.)
+_DO: Dict[type, Callable[..., None]] = {
     StartWork: Daemon._start_work, Status: Daemon._status, Ready: Daemon._ready, WriteMetrics: Daemon._write_metrics,
     ServingBegan: Daemon._serving_began, handoff.Send: Daemon._send, handoff.StopSuccessor: Daemon._stop_successor,
     handoff.MainPid: Daemon._main_pid, handoff.Exit: Daemon._exit, handoff.BecomeMain: Daemon._become_main,

@@ -14,13 +14,16 @@ import logging
 import os
 import time
 from functools import partial
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 
 from atedevd import sockets
 from atedevd.kubelet import KUBELET_SOCKET, AllocatableCall, RegisterCall, not_listening, pod_resources_socket
 from atedevd.plugin import PluginServer, Workers
 from atedevd.registration.messages import Listing, Outcome
 from atedevd.systemd import event
+
+if TYPE_CHECKING:
+    from atedevd.cdi_keeper import Specs
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +34,7 @@ class Host:
     isdir = staticmethod(os.path.isdir)
     exists = staticmethod(os.path.exists)
     listening = staticmethod(sockets.listening)  # someone accepts connections on that socket
-    cdi = None  # the daemon's CDI specs (atedevd/cdi_keeper.py), set by the daemon
+    cdi: Optional["Specs"] = None  # the daemon's CDI specs (atedevd/cdi_keeper.py), set by the daemon
 
     def __init__(self, plugin_dir: str, workers: Workers, post: Callable[[Callable[[], None]], None]) -> None:
         self.plugin_dir = plugin_dir
@@ -130,7 +133,7 @@ class Host:
     @staticmethod
     def _ask_done(call: AllocatableCall, result: Optional[dict], error: Optional[str], done) -> None:
         call.close()
-        if error is None:
+        if error is None and result is not None:
             done(Listing.LISTED, {name: len(ids) for name, ids in result.items()}, None)
         elif not_listening(call.code):
             done(Listing.REFUSED, {}, error)

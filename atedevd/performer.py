@@ -13,12 +13,17 @@ It decides nothing: `atedevd/registration/` does.
 
 import logging
 import os
-from typing import Callable, Dict, Iterator, List, Optional, Set
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Set
 
 from atedevd import sockets
 from atedevd.plugin import StreamEvent
 from atedevd.registration import messages as m
 from atedevd.registration.messages import Listing, Outcome
+
+if TYPE_CHECKING:
+    from atedevd.pod_resources import PodResourcesClient
+    from atedevd.seams import Call, Host, Server
 
 # What a plugin server reports, as machine events.
 _STREAM_EVENTS = {StreamEvent.OPENED: m.StreamOpened, StreamEvent.LIST_SENT: m.ListSent, StreamEvent.ENDED: m.StreamEnded}
@@ -29,8 +34,9 @@ class Performer:
     stream budget and Allocate counts (atedevd/resource.py); `deliver(event)` takes
     what comes back later, on the loop."""
 
-    def __init__(self, owner, host, pod_resources, run_id: str, serve_failed,
-                 deliver: Callable[[m.Event], None], numbers: Iterator[int]) -> None:
+    def __init__(self, owner, host: "Host", pod_resources: "PodResourcesClient", run_id: str,
+                 serve_failed: Callable[[str, OSError], bool], deliver: Callable[[m.Event], None],
+                 numbers: Iterator[int]) -> None:
         self.owner = owner
         self.deliver = deliver
         self.host = host
@@ -38,8 +44,8 @@ class Performer:
         self.plugin_dir = host.plugin_dir
         self.run_id = run_id
         self.serve_failed = serve_failed  # (path, OSError) -> True when the daemon stops because of it
-        self.servers: Dict[int, object] = {}  # by socket id
-        self._calls: Dict[int, object] = {}  # by call id, for cancelling
+        self.servers: Dict[int, "Server"] = {}  # by socket id
+        self._calls: Dict[int, "Call"] = {}  # by call id, for cancelling
         self._told_gone: Set[int] = set()  # sockets the machine was told are deleted
         self._numbers = numbers  # of the socket names: the run's for this resource (one removed and added again goes on)
         self.registers_sent = 0
@@ -58,7 +64,7 @@ class Performer:
         directory = os.path.join(self.plugin_dir, sockets.STANDBY_DIR) if a.standby else self.plugin_dir
         path = os.path.join(directory, sockets.socket_name(self.name, self.run_id, next(self._numbers)))
         server = self.host.server(self.owner.device, path, self.owner.stream_slots, self.owner.allocations,
-                                  lambda kind, sid=a.sid: self._stream_event(kind, sid))
+                                  partial(self._stream_event, sid=a.sid))
         server.publish(self.owner.snapshot)
         try:
             if a.standby:  # never the plugin directory itself: that is kubelet's to make
@@ -193,7 +199,8 @@ class Performer:
             server.publish(snapshot)
 
 
-_DO: Dict[type, Callable[["Performer", m.Action], Optional[m.Event]]] = {  # type: ignore[dict-item]
+# (A type checker cannot tie each key to its function's parameter: the completeness test does.)
+_DO: Dict[type, Callable[..., Optional[m.Event]]] = {
     m.Bind: Performer._bind, m.Place: Performer._place, m.SendRegister: Performer._register,
     m.AskPodResources: Performer._ask, m.CountConnections: Performer._count, m.CancelCall: Performer._cancel,
     m.EndStreams: Performer._end_streams, m.ResendList: Performer._resend, m.CloseSocket: Performer._close,

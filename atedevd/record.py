@@ -30,16 +30,24 @@ _R = TypeVar("_R", bound="Record")
 
 
 def _own_fields(cls: type) -> Tuple[str, ...]:
-    """The names annotated in the class body itself, in order (Python 3.9 would hand a class
-    without annotations its base's)."""
+    """The names annotated in the class body itself, in order: read through `type`'s own
+    descriptor, which a metaclass's attributes cannot shadow (3.14 evaluates them lazily, on
+    this read); Python 3.9 has none, and would hand a class without annotations its base's."""
     if sys.version_info < (3, 10):
         return tuple(cls.__dict__.get("__annotations__", {}))
-    return tuple(cls.__annotations__)  # its own (3.14 evaluates them lazily, on this read)
+    return tuple(_class_annotations.__get__(cls))
+
+
+_class_annotations = vars(type)["__annotations__"]
 
 
 @dataclass_transform(eq_default=True, frozen_default=True)
 class _RecordType(type):
     """Turns the annotated names of a class body into the tuple's fields."""
+
+    if TYPE_CHECKING:
+        _fields: Tuple[str, ...]
+        _defaults: Dict[str, Any]
 
     def __new__(mcls, name: str, bases: Tuple[type, ...], namespace: Dict[str, Any]):
         namespace["__slots__"] = ()  # no per-instance dict: a tuple's size
@@ -76,10 +84,10 @@ class Record(tuple, metaclass=_RecordType):
     _defaults: ClassVar[Dict[str, Any]] = {}
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and _tuple_eq(self, other)  # type: ignore[arg-type]
+        return type(self) is type(other) and _tuple_eq(self, other)
 
     def __ne__(self, other: object) -> bool:
-        return not (type(self) is type(other) and _tuple_eq(self, other))  # type: ignore[arg-type]
+        return not (type(self) is type(other) and _tuple_eq(self, other))
 
     def __hash__(self) -> int:
         return _tuple_hash(self) ^ hash(type(self))

@@ -247,19 +247,28 @@ class Peers:
         """What the other side said: (message, None), or at the end (None, how a successor
         ended, once known). A successor may die right after it spoke; once it hung up, its
         exit status is a moment away."""
-        other, out = self.talking(), []
+        other = self.talking()
+        out: List[Tuple[Optional[Message], Optional[str]]] = []
         for message in other.receive() if other is not None else ():
-            if other is self.child:
+            if other is self.child and self.child is not None:
                 gone = self.child.ended(EXIT_STATUS_WAIT_S if message is None else 0.0)
                 if message is None or gone:
                     self.child.hang_up()
                     return out + [(None, gone)]
-            elif message is None:  # the predecessor exited (or died)
+            elif message is None and self.parent is not None:  # the predecessor exited (or died)
                 self.parent.close()
                 self.parent = None
                 return out + [(None, None)]
             out.append((message, None))
         return out
+
+    @property
+    def successor_pid(self) -> int:
+        """The successor's pid: it tells it first thing, before it can say anything else."""
+        pid = self.child.pid if self.child is not None else None
+        if pid is None:
+            raise RuntimeError("the successor has not said its pid")
+        return pid
 
     def send(self, message: Message) -> None:
         other = self.talking()

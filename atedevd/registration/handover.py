@@ -219,7 +219,7 @@ class Handover:
 
     def _step(self, now: float, healthy: bool, pod_resources: Optional[bool]) -> Verdict:
         if self.phase is Phase.FIXED:
-            if now < self._fixed_until:
+            if self._fixed_until is not None and now < self._fixed_until:
                 self.deadline = self._fixed_until
                 return Verdict.WAIT
             return self.done(now)

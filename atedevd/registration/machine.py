@@ -23,7 +23,7 @@ kubelet opens ListAndWatch and, where it can be asked, counts our devices.
 """
 
 import logging
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional
 
 from atedevd.registration import messages as m
 from atedevd.registration.attempts import SLOW_RETRY_S, Retry
@@ -353,8 +353,9 @@ class Registration:
             return
         self.book.close_retiring()  # kubelet let go of them before we registered, or it restarted
         if e.outcome is Outcome.OK:
-            if self.attempts.redo is not None:
-                self.moves.attempt(now, self.attempts.take_redo())
+            redo = self.attempts.take_redo()
+            if redo is not None:
+                self.moves.attempt(now, redo)
                 return
             self.moves.move(State.VERIFYING, now)
             if self.book.streaming:
@@ -370,16 +371,16 @@ class Registration:
 
     def _listed(self, now: float, e: m.Listed) -> None:
         question = self.questions.answered(now, e)
-        if question is not Question.START and e.listing is Listing.LISTED and e.count > 0:
+        if question is not Question.START and e.listing is Listing.LISTED and e.devices > 0:
             self.book.saw_listing()
         if question is Question.START:
             self.moves.start_answer(now, e)
         elif question is Question.HANDOVER:
             if self.moves.state in LETTING:
-                self.moves.after_handover(now, self.handover.on_listing(now, e.listing, e.count, self.moves.healthy_units > 0,
+                self.moves.after_handover(now, self.handover.on_listing(now, e.listing, e.devices, self.moves.healthy_units > 0,
                                                                    self.questions.served))
         elif question is Question.CHECK and self.moves.state is State.REGISTERED \
-                and self.check.on_answer(now, e.listing, e.count, self.moves.healthy_units):
+                and self.check.on_answer(now, e.listing, e.devices, self.moves.healthy_units):
             self.tally.lost(now)
             self.moves.attempt(now, Why.NOT_COUNTED)
 
@@ -445,7 +446,7 @@ _TIMERS = (
     (Timer.WARN, lambda r: r.tally.deadline, lambda r, now: r.tally.on_timer(now, r.moves.state is State.REGISTERED)),
 )
 _DEADLINE = {timer: deadline for timer, deadline, _ in _TIMERS}
-_HANDLERS = {
+_HANDLERS: Dict[type, Callable[..., None]] = {
     m.Serve: Registration._serve, m.Unserve: Registration._unserve, m.Publish: Registration._publish,
     m.Reconfigure: Registration._reconfigure, m.Stop: Registration._stop, m.CloseAll: Registration._close,
     m.Release: Registration._release, m.HandOff: Registration._hand_off, m.TakeBack: Registration._take_back,

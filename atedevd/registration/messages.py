@@ -242,7 +242,7 @@ class Listed(Event):
 
     cid: int
     listing: Listing
-    count: int = 0
+    devices: int = 0
 
 
 class ConnectionsCounted(Event):

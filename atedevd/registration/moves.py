@@ -153,10 +153,10 @@ class Moves:
     def start_answer(self, now: float, e: m.Listed) -> None:
         if self.state is not State.WAITING:
             return
-        if e.listing is Listing.LISTED and e.count > 0:  # an earlier instance's teardown is pending
+        if e.listing is Listing.LISTED and e.devices > 0:  # an earlier instance's teardown is pending
             self.move(State.LETTING_GO, now)
             self.why = self.first_why
-            self.handover.begin_earlier_instance(now, e.count)
+            self.handover.begin_earlier_instance(now, e.devices)
             return
         self.try_start(now)
 
@@ -276,8 +276,9 @@ class Moves:
         self.check.registered()
         if self.book.list_sent:
             self.after_first_list(now)
-        if self.attempts.redo is not None:  # a trigger that came while kubelet's stream was still to open
-            self.attempt(now, self.attempts.take_redo())
+        redo = self.attempts.take_redo()  # a trigger that came while kubelet's stream was still to open
+        if redo is not None:
+            self.attempt(now, redo)
 
     def after_first_list(self, now: float) -> None:
         if self.book.standby is None and self.standby_possible:
