@@ -243,7 +243,7 @@ def end_state(w: World) -> List[str]:
         if d.state(resource) is not State.REGISTERED:
             problems.append(f"{resource}: the daemon is {d.state(resource).value}, not registered")
         problems += [f"{resource}: {p}" for p in w.kubelet.problems(resource, expected, d.current_socket(resource))]
-    return problems + [p for check in w.checks for p in check()]
+    return problems + [p for check in w.checks for p in check()] + w.cdi_problems
 
 
 def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep: bool = False,
@@ -264,6 +264,7 @@ def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep:
         SCENARIOS[scenario](w)
         w.run_until(w.now + SETTLE_S)
         problems = end_state(w)
+    w.close()
     history = [f"{t:10.4f} {lvl or '':>2} {kind}: {text}" for t, lvl, kind, text in w.said] if keep else []
     return problems, history, w.events, w.moves_taken()
 

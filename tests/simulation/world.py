@@ -20,8 +20,8 @@ from typing import Callable, Dict, List, Optional
 
 import inotify.constants as ic
 
-from atedevd import metrics
-from atedevd.config import Device
+from atedevd import cdi_files, cdi_keeper, metrics
+from atedevd.config import Config, Device
 from atedevd.handoff import BecomeMain, Exit, MainPid, Message, Send, StopSuccessor, UpgradePhase
 from atedevd.node import Node
 from atedevd.process import Process, Ready, ServingBegan, StartWork, Status, WriteMetrics
@@ -39,6 +39,7 @@ PATTERN = "/dev/unit*"
 _NODES = {"null": "/dev/null", "unit0": "/dev/zero", "unit1": "/dev/full", "unit2": "/dev/random", "unit3": "/dev/urandom"}
 UNITS = 4
 _dev_root: Optional[str] = None
+_SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the CDI specs' directory: fsync costs nothing there
 _dev_root_pid: Optional[int] = None
 
 
@@ -88,6 +89,14 @@ class World:
         self.said: List[tuple] = []  # (time, level, kind, text) of every daemon that ran
         self.events = 0
         self.trace = False  # when replaying: every action and kubelet step goes into `said`
+        # CDI specs (atedevd/cdi_keeper.py), in a directory of the round's own: every name a
+        # daemon could have answered Allocate with resolves there after every event, and a
+        # killed daemon's until the next start has written its own.
+        self.cdi_dir = tempfile.mkdtemp(prefix="atedevd-sim-cdi-", dir=_SCRATCH)
+        self.cdi_problems: List[str] = []
+        self._killed_owed: set = set()  # a killed daemon's names, until a start has written its specs
+        self._cdi_seen: Optional[tuple] = None
+        self._resolvable: set = set()
 
     def moves_taken(self) -> set:
         """Every (from, to) move any registration machine of any process made."""
@@ -113,7 +122,32 @@ class World:
             self.now = at
             self.events += 1
             fn(*args)
+            self._check_cdi()
         self.now = max(self.now, t)
+
+    def _check_cdi(self) -> None:
+        """Every name a live daemon (or a killed one, until its successor wrote) owes resolves."""
+        if self._killed_owed and any(d.parent is None and d.host.cdi.keepers and
+                                     all(k.wrote for k in d.host.cdi.keepers.values()) for d in self.processes):
+            self._killed_owed = set()
+        # Looked at again only when the directory changed (a spec is replaced by a rename: a new
+        # inode) or what is owed may have grown (a name once answerable stays so).
+        with os.scandir(self.cdi_dir) as entries:
+            files = tuple(sorted((e.name, e.inode()) for e in entries))
+        seen = (files, len(self._killed_owed),
+                tuple((d.n, sum(len(k.book.ever_answerable) for k in d.host.cdi.keepers.values())) for d in self.processes))
+        if seen == self._cdi_seen:
+            return
+        if seen[0] != (self._cdi_seen or (None,))[0]:
+            self._resolvable = cdi_files.resolvable(self.cdi_dir)
+        self._cdi_seen = seen
+        owed = set(self._killed_owed).union(*(d.host.cdi.owed() for d in self.processes))
+        missing = owed - self._resolvable
+        if missing and len(self.cdi_problems) < 3:
+            self.cdi_problems.append(f"CDI names answerable but not resolvable at {self.now:.4f}: {sorted(missing)}")
+
+    def close(self) -> None:
+        shutil.rmtree(self.cdi_dir, ignore_errors=True)
 
     # --- atedevd's process ---------------------------------------------------------
 
@@ -275,6 +309,8 @@ class AtedevdProcess:
         world.processes.append(self)
         world.ever.append(self)
         self.host = SimHost(world, self)
+        self.host.cdi = cdi_keeper.Specs(self.host.say, sharing=parent is not None)
+        self.host.cdi.configure(Config(cdi=True, cdi_spec_dir=world.cdi_dir, dev_root=world.dev_root))
         node = Node(PLUGIN_DIR, world.dev_root, "/sys", self.host, f"d{n}", lambda path, error: False)
         if parent is not None:
             node.held = True
@@ -287,6 +323,7 @@ class AtedevdProcess:
         self.pattern = parent.pattern if parent is not None else True  # the pattern resource is configured
         self.status = ""  # STATUS=, as it would be sent
         self.metrics_due = 0  # times the metrics would have been written
+        self.handed_over = False
         self.started_work = False
 
     @property
@@ -351,8 +388,9 @@ class AtedevdProcess:
         self.woke()
 
     def die(self) -> None:
-        """kill -9: connections drop, socket files stay behind."""
+        """kill -9: connections drop, socket files stay behind (and CDI specs: valid, for the next start)."""
         self.alive = False
+        self.w._killed_owed |= self.host.cdi.owed()
         if self in self.w.processes:
             self.w.processes.remove(self)
         for other in (self.parent, self.child):
@@ -384,6 +422,7 @@ class AtedevdProcess:
             _DO[type(a)](self, a)
         if self.process.stopped:
             self.node.close(self.w.now)
+            self.host.cdi.close(self.handed_over)
             self.alive = False
             self.w.processes.remove(self)
             for other in (self.parent, self.child):
@@ -446,7 +485,7 @@ class AtedevdProcess:
         self.w.daemon = self.child
 
     def _exit(self, a: Exit) -> None:
-        pass  # the node's part (its streams end, no let-go wait) is the glue's; the exit follows once stopped
+        self.handed_over = True  # the node's part (its streams end, no let-go wait) is the glue's; the exit follows
 
     def _become_main(self, a: BecomeMain) -> None:
         pass  # systemd's main process: the world's `daemon` already (its predecessor said MainPid)
