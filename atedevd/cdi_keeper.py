@@ -116,7 +116,7 @@ class Keeper:
         self._by_id: Dict[str, str] = {}  # a pattern's unit ID -> its name
         self._answers: Tuple[FrozenSet[str], Optional[str], Dict[str, str]] = (frozenset(), None, {})
         self._written: Optional[Tuple[str, int]] = None  # (spec dir, inode) of our last write
-        self._last = None  # (snapshot, device) last published
+        self._last: Optional[Tuple[object, Device]] = None  # (snapshot, device) last published
 
     @property
     def enabled(self) -> bool:
@@ -132,21 +132,22 @@ class Keeper:
     def publish(self, snapshot, device: Device) -> None:
         """A new snapshot, before any socket serves it: its healthy units' devices on disk."""
         self._last = (snapshot, device)
-        if not self.enabled:
+        specs = self.specs
+        if specs is None or not specs.enabled:
             self._answers = (frozenset(), None, {})
             return
         grants: Dict[str, Tuple[cdi.DeviceNode, ...]] = {}
-        companions = _nodes(device.companions, self.specs.dev_root)
+        companions = _nodes(device.companions, specs.dev_root)
         if snapshot.by_id is None:
             self._shared = cdi.shared_name(device.resource)
-            nodes = _nodes((device.path,), self.specs.dev_root)
+            nodes = _nodes((device.path,), specs.dev_root)
             if snapshot.healthy and nodes is not None and companions is not None:
                 grants[self._shared] = nodes + companions
         else:
             self._shared = None
             for u in snapshot.by_id.values():
                 name = self._by_id.setdefault(u.id, cdi.unit_name(u.id))
-                nodes = _nodes((u.path,), self.specs.dev_root)
+                nodes = _nodes((u.path,), specs.dev_root)
                 if u.healthy and nodes is not None and companions is not None:
                     grants[name] = nodes + companions
         settings = cdi.Settings(device.container_mode, device.container_uid, device.container_gid, device.permissions)
@@ -159,7 +160,8 @@ class Keeper:
         """Publish the last snapshot again (CDI turned on, or its directory moved, on reload)."""
         if self._last is not None:
             self.publish(*self._last)
-            if self.enabled and (self._written is None or self._written[0] != self.specs.spec_dir):
+            if self.specs is not None and self.specs.enabled and (
+                    self._written is None or self._written[0] != self.specs.spec_dir):
                 self.write()  # the same content, not there yet
 
     def write(self) -> None:
@@ -169,6 +171,8 @@ class Keeper:
 
     def _write(self, doc: dict) -> None:
         specs = self.specs
+        if specs is None:
+            return
         name = cdi.file_name(self.resource)
         try:
             with cdi_files.Locked(specs.spec_dir) as d:
@@ -216,9 +220,10 @@ class Keeper:
         if shared is not None:
             return (cdi.qualified(self.resource, shared),) if shared in answerable else ()
         names = [by_id.get(i) for i in dict.fromkeys(ids)]
-        if not all(n in answerable for n in names):
+        known = [n for n in names if n is not None and n in answerable]
+        if len(known) != len(names):
             return ()
-        return tuple(cdi.qualified(self.resource, n) for n in names)
+        return tuple(cdi.qualified(self.resource, n) for n in known)
 
 
 def _nodes(paths, dev_root: str) -> Optional[Tuple[cdi.DeviceNode, ...]]:

@@ -57,8 +57,9 @@ class HostMode:
             found = policy.judge(node) if node is not None else None
             if node is None or found is not None:
                 if found is not None:
+                    numbers = node.numbers if node is not None else None
                     self.say(logging.ERROR, "host-mode-refused", f"{res}: host_mode: not applied to {path}: {found}",
-                             once=f"host-mode-refused:{path}:{node.numbers}", resource=res, device=path)
+                             once=f"host-mode-refused:{path}:{numbers}", resource=res, device=path)
                 return
             before = stat.S_IMODE(os.fstat(fd).st_mode)
             os.chmod(here, mode)  # the inode judged, whatever the path names now

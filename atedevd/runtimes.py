@@ -45,7 +45,7 @@ def read(root: str = "/") -> List[Runtime]:
     if containerd is not None:
         found.append(_containerd(containerd, os.path.join(root, CONTAINERD.lstrip("/"))))
     crio_files = [os.path.join(root, CRIO.lstrip("/"))] + sorted(glob.glob(os.path.join(root, CRIO_DROP_INS.lstrip("/"), "*.conf")))
-    merged: Dict[str, object] = {}
+    merged: Dict[str, dict] = {}
     read_files = []
     for path in crio_files:
         data = _load(path)

@@ -19,7 +19,7 @@ import re
 import select
 import socket
 import stat
-from typing import Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 STANDBY_DIR = ".atedevd"
 # sun_path is 108 bytes with the terminating NUL.
@@ -84,8 +84,8 @@ def check_names(plugin_dir: str, resources: Sequence[str]) -> List[str]:
     (with room for a registration count of `_N_DIGITS` digits; the standby
     directory's longer path is not needed, see registration). Empty when every
     name is its own and fits."""
-    problems = []
-    owner = {}
+    problems: List[str] = []
+    owner: Dict[str, str] = {}
     longest = "z" * _RUN_LENGTH, 10 ** _N_DIGITS - 1
     for resource in resources:
         name = socket_name(resource, *longest)

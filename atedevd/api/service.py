@@ -4,7 +4,7 @@ Servers get a generic handler built from any object with the method names;
 clients get a stub whose attributes are the channel's multi-callables.
 """
 
-from typing import Dict
+from typing import Any, Dict
 
 import grpc
 
@@ -16,8 +16,8 @@ API_VERSION = "v1beta1"
 
 
 class Method(Record):
-    request: type
-    response: type
+    request: Any  # a message class (protoc's: FromString, SerializeToString)
+    response: Any
     server_streaming: bool = False
 
 
