@@ -122,11 +122,12 @@ class World:
             self.now = at
             self.events += 1
             fn(*args)
-            self._check_cdi()
         self.now = max(self.now, t)
 
-    def _check_cdi(self) -> None:
-        """Every name a live daemon (or a killed one, until its successor wrote) owes resolves."""
+    def check_cdi(self) -> None:
+        """Every name a live daemon (or a killed one, until its successor wrote) owes resolves:
+        checked after every event a daemon takes (nothing else writes the specs or grows what
+        is owed), and after a kill."""
         if self._killed_owed and any(d.parent is None and d.host.cdi.keepers and
                                      all(k.wrote for k in d.host.cdi.keepers.values()) for d in self.processes):
             self._killed_owed = set()
@@ -391,6 +392,7 @@ class AtedevdProcess:
         """kill -9: connections drop, socket files stay behind (and CDI specs: valid, for the next start)."""
         self.alive = False
         self.w._killed_owed |= self.host.cdi.owed()
+        self.w.check_cdi()
         if self in self.w.processes:
             self.w.processes.remove(self)
         for other in (self.parent, self.child):
@@ -418,6 +420,12 @@ class AtedevdProcess:
         """What the loop does after each wake-up: the process's glue, its actions; exit once stopped."""
         if not self.alive:
             return
+        try:
+            self._woke()
+        finally:
+            self.w.check_cdi()
+
+    def _woke(self) -> None:
         for a in self.process.wake(self.w.now):
             _DO[type(a)](self, a)
         if self.process.stopped:
