@@ -52,6 +52,57 @@ def nobodys_dir(path: str) -> str:
     return path
 
 
+# --- the configuration: every directory and link the kernel walks ----------------------------
+
+
+def test_a_link_on_the_way_to_the_configuration_is_as_trusted_as_its_directory(start_daemon, kubelet, dev_root, place):
+    """/etc/atedevd/config.toml -> a link in a directory a user owns -> a root-owned file: the
+    user chooses which root-owned file is the configuration. Refused at reload, as at start."""
+    mknod(dev_root, "mem", 1, 1)
+    etc = os.path.join(place, "etc")
+    os.makedirs(etc, mode=0o755)
+    benign = write(os.path.join(etc, "benign.toml"), '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
+    example = write(os.path.join(etc, "mem-example.toml"), MEM_TOML)  # root's, as an example file would be
+    cfg = write(os.path.join(etc, "config.toml"), open(benign).read())
+    home = nobodys_dir(os.path.join(place, "home"))
+    d = start_daemon(config=cfg)
+    d.wait_ready()
+    assert kubelet.wait_connected("ate.dev/kvm"), d.log()
+
+    as_nobody(f"import os; os.symlink({benign!r}, {home + '/link.toml'!r})")
+    os.unlink(cfg)
+    os.symlink(os.path.join(home, "link.toml"), cfg)  # root's link, into the user's directory
+    reload(d)
+    refused = f"{home} is owned by nobody (owner nobody:nogroup, mode 0755), not root: chown root {home}"
+    assert wait_until(lambda: "reload failed" in (d.status() or ""), 5), (d.status(), d.log())
+    assert refused in d.log(), d.log()
+
+    as_nobody(f"import os; os.unlink({home + '/link.toml'!r}); os.symlink({example!r}, {home + '/link.toml'!r})")
+    reload(d)
+    assert wait_until(lambda: d.log().count(refused) >= 2, 5), d.log()
+    assert kubelet.registration_count("ate.dev/mem") == 0 and d.proc.poll() is None
+    assert kubelet.capacity("ate.dev/kvm") == 1024  # the running configuration serves on
+
+
+def test_dot_dot_in_the_configurations_path_is_taken_on_the_disk(start_daemon, kubelet, dev_root, place):
+    """etc/sub is root's link into a user's directory; `etc/sub/../config.toml` is, to the
+    kernel, the `config.toml` beside wherever the user's link leads, not etc/config.toml."""
+    mknod(dev_root, "mem", 1, 1)
+    etc = os.path.join(place, "etc")
+    os.makedirs(etc, mode=0o755)
+    write(os.path.join(etc, "config.toml"), '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
+    examples = os.path.join(place, "examples", "a")
+    os.makedirs(examples, mode=0o755)
+    write(os.path.join(place, "examples", "config.toml"), MEM_TOML)  # root's
+    home = nobodys_dir(os.path.join(place, "home"))
+    as_nobody(f"import os; os.symlink({examples!r}, {home + '/deep'!r})")
+    os.symlink("../home/deep", os.path.join(etc, "sub"))
+    d = start_daemon(config=os.path.join(etc, "sub", "..", "config.toml"))
+    assert d.wait(10) == 78, d.log()
+    assert f"{home} is owned by nobody (owner nobody:nogroup, mode 0755), not root" in d.log(), d.log()
+    assert kubelet.registration_count("ate.dev/mem") == 0
+
+
 # --- the device policy: input injection, VFIO without an IOMMU ------------------------------
 
 

@@ -198,6 +198,33 @@ def test_owned_by_someone_else_is_not_trusted_even_in_a_sticky_directory(tmp_pat
     assert any(p.startswith(f"{real} is owned by 4242") for p in trust.problems(str(tmp_path / "via-link.toml")))
 
 
+@needs_root
+def test_the_walk_is_the_kernels_every_link_on_the_way_and_dot_dot_on_the_disk(tmp_path, monkeypatch):
+    """A root-owned file reached through a link in a directory someone else owns is that
+    someone's to choose; `..` after a link is the parent of where the link led."""
+    os.chmod(tmp_path, 0o755)
+    (tmp_path / "etc").mkdir(mode=0o755)
+    (tmp_path / "etc" / "real.toml").write_text("")
+    user = tmp_path / "user"
+    user.mkdir(mode=0o755)
+    os.symlink(tmp_path / "etc" / "real.toml", user / "link.toml")
+    os.chown(user, 4242, 4242)
+    os.symlink(user / "link.toml", tmp_path / "etc" / "config.toml")
+    assert trust.problems(str(tmp_path / "etc" / "real.toml")) == []
+    assert trust.problems(str(tmp_path / "etc" / "config.toml")) == [
+        f"{user} is owned by 4242 (owner 4242:4242, mode 0755), not root: chown root {user}"]
+    os.symlink("../user/deep", tmp_path / "etc" / "sub")
+    os.symlink(tmp_path / "etc", user / "deep")  # sub/.. is walked through user/, not etc/config.toml
+    (user / "config.toml").write_text("")
+    problems = trust.problems(str(tmp_path / "etc" / "sub" / ".." / "config.toml"))
+    assert problems[0] == f"{user} is owned by 4242 (owner 4242:4242, mode 0755), not root: chown root {user}"
+    monkeypatch.chdir(tmp_path / "etc")
+    assert trust.problems("config.toml") == trust.problems(str(tmp_path / "etc" / "config.toml"))  # relative: from the cwd
+    loop = tmp_path / "etc" / "loop"
+    os.symlink(loop, loop)
+    assert trust.problems(str(loop)) == [f"{loop}: more than {trust.MAX_LINKS} symlinks on the way"]
+
+
 def test_an_untrusted_file_is_a_configuration_error_with_every_other_problem(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[[device]]\nresource = "a.dev/x"\npath = "/dev/x"\ncolour = 1\n')
