@@ -509,6 +509,9 @@ def metrics_state(configured: Optional[str], props: Optional[Dict[str, str]]) ->
         return WARNING, f"{directory} is {state}: atedevd.prom is not written"
     if not os.access(directory, os.W_OK):
         return WARNING, f"{directory} is not writable (a read-only mount?): atedevd.prom is not written"
+    refused = metrics.directory_refused(directory)
+    if refused:
+        return WARNING, f"{refused}: atedevd.prom is not written"
     listed = None if props is None else _sandbox_keeps_read_only(directory, props)
     if listed is not None:
         return WARNING, (f"{directory} is read-only in {UNIT}'s sandbox (ProtectSystem=strict; ReadWritePaths= "

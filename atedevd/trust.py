@@ -122,6 +122,18 @@ def _stat(path: str) -> Tuple[Optional[os.stat_result], Optional[str]]:
         return None, f"{path}: cannot stat ({e.strerror})"
 
 
+def writable_by_others(directory: str, st: os.stat_result) -> Optional[str]:
+    """Why files we write in `directory` (its fstat `st`) could be planted or swapped by
+    another user: owned by someone else, or writable by its group or others (sticky or
+    not: a name we write can be taken first). None when only root (or we) can."""
+    trusted = {0, os.geteuid()}
+    if st.st_uid not in trusted:
+        return f"{directory} is owned by {user_name(st.st_uid)} ({_describe(st)}), not root: chown root {directory}"
+    if st.st_mode & _GROUP_OTHER_WRITE:
+        return f"{directory} is writable by {_who(st.st_mode)} ({_describe(st)}): chmod go-w {directory}"
+    return None
+
+
 def _entry_problem(path: str, st: os.stat_result, trusted: Set[int], final: bool = False) -> Optional[str]:
     if st.st_uid not in trusted:
         return f"{path} is owned by {user_name(st.st_uid)} ({_describe(st)}), not root: chown root {path}"

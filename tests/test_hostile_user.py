@@ -133,3 +133,66 @@ def test_input_injection_nodes_and_a_vfio_device_without_an_iommu_are_never_unit
     for path in ("/dev/uhid", "/dev/userio"):  # as a device's path: a configuration error, exit 78
         d = start_daemon(config=write(tmp_path / "one.toml", f'[[device]]\nresource = "ate.dev/x"\npath = "{path}"\n'))
         assert d.wait(10) == 78 and f'"{path}" (ate.dev/x): refused: ' in d.log(), d.log()
+
+
+# --- the metrics directory: nothing planted there blocks the loop -----------------------------
+
+
+FIFO_LAUNCHER = """
+import os, sys
+metrics_dir = {metrics_dir!r}
+if os.fork() == 0:  # the attacker, who can see our pid in /proc, plants a FIFO at the temporary name
+    os.setgid(65534); os.setuid(65534)
+    os.mkfifo(os.path.join(metrics_dir, ".atedevd.prom.%d.tmp" % os.getppid()))
+    os._exit(0)
+os.wait()
+from atedevd.launch import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_fifo_in_a_metrics_directory_others_can_write_blocks_nothing(start_daemon, kubelet, dev_root, tmp_path, place):
+    """A metrics directory others can write is refused with one WARNING; nothing planted there
+    (a FIFO at the name the writer once used) keeps an unplug from reaching kubelet."""
+    metrics_dir = os.path.join(place, "metrics")
+    os.makedirs(metrics_dir)
+    os.chmod(metrics_dir, 0o1777)  # like /tmp: anyone may create files in it
+    serial_nodes(dev_root, 2)
+    d = start_daemon(config=write(tmp_path / "c.toml", SERIAL_TOML), metrics_dir=metrics_dir,
+                     launcher=("-c", FIFO_LAUNCHER.format(metrics_dir=metrics_dir)))
+    d.wait_ready()
+    assert kubelet.wait_connected(SERIAL), d.log()
+    for n in (0, 1):  # the loop answers every change: not blocked in open()
+        os.unlink(os.path.join(dev_root, f"ttyUSB{n}"))
+        assert kubelet.wait(lambda: health(kubelet, SERIAL).get(f"ttyUSB{n}") == "Unhealthy", 5), d.log()
+    reload(d)
+    warnings = [line for line in d.log().splitlines() if " WARNING " in line and "cannot write metrics" in line]
+    assert len(warnings) == 1 and f"cannot write metrics to {metrics_dir}/atedevd.prom: refused: another user could " \
+        f"put a file of theirs where atedevd writes (a FIFO would block its loop): {metrics_dir} is writable by its " \
+        f"group and others (owner root:root, mode 1777): chmod go-w {metrics_dir}" in warnings[0], warnings
+    assert not os.path.exists(os.path.join(metrics_dir, "atedevd.prom"))
+
+
+def test_metrics_in_a_directory_only_root_can_write_leave_no_predictable_name(tmp_path, place):
+    from atedevd import metrics
+
+    metrics_dir = os.path.join(place, "m")
+    os.makedirs(metrics_dir, mode=0o755)
+    fifo = os.path.join(metrics_dir, f".atedevd.prom.{os.getpid()}.tmp")
+    os.mkfifo(fifo)  # the name the writer once used: never opened now
+    writer = threading.Thread(target=metrics.write_atomically, args=(os.path.join(metrics_dir, "atedevd.prom"), "a 1\n"),
+                              daemon=True)
+    writer.start()
+    writer.join(5)
+    if writer.is_alive():  # blocked in open(): let it go (a reader), and fail
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        pytest.fail("the metrics writer opened the FIFO planted at its temporary name and waited for a reader")
+    assert open(os.path.join(metrics_dir, "atedevd.prom")).read() == "a 1\n"
+    assert sorted(os.listdir(metrics_dir)) == [f".atedevd.prom.{os.getpid()}.tmp", "atedevd.prom"]
+    os.symlink(metrics_dir, os.path.join(place, "link"))
+    with pytest.raises(OSError, match="is a symbolic link: set metrics_dir to the directory it points to"):
+        metrics.write_atomically(os.path.join(place, "link", "atedevd.prom"), "a 2\n")
+    os.chown(metrics_dir, NOBODY, NOBODY)
+    with pytest.raises(OSError, match=f"{metrics_dir} is owned by nobody .*, not root"):
+        metrics.write_atomically(os.path.join(metrics_dir, "atedevd.prom"), "a 3\n")
+    assert open(os.path.join(metrics_dir, "atedevd.prom")).read() == "a 1\n"
