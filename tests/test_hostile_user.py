@@ -196,3 +196,43 @@ def test_metrics_in_a_directory_only_root_can_write_leave_no_predictable_name(tm
     with pytest.raises(OSError, match=f"{metrics_dir} is owned by nobody .*, not root"):
         metrics.write_atomically(os.path.join(metrics_dir, "atedevd.prom"), "a 3\n")
     assert open(os.path.join(metrics_dir, "atedevd.prom")).read() == "a 1\n"
+
+
+# --- an upgrade's successor: the installed code, whatever the working directory holds ------------
+
+
+def test_the_successor_of_an_upgrade_runs_the_installed_package_not_the_working_directorys(
+        start_daemon, kubelet, tmp_path, place):
+    """Started as `python3 -m atedevd run` from a directory a user can write: the user puts an
+    `atedevd/` there once it runs, and an upgrade's successor must not import it (as root)."""
+    site = tmp_path / "site"
+    shutil.copytree(os.path.join(REPO, "atedevd"), site / "atedevd", ignore=shutil.ignore_patterns("__pycache__"))
+    cwd = nobodys_dir(os.path.join(place, "work"))
+    cfg = write(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
+    d = start_daemon(config=cfg, cwd=cwd, env={"PYTHONPATH": str(site)}, log_level="debug")
+    d.wait_ready()
+    assert kubelet.wait_connected("ate.dev/kvm"), d.log()
+    assert wait_until(lambda: "start-up done" in d.log(), 5), d.log()  # the installed files are noted then
+    marker = os.path.join(cwd, "ran-as-root")
+    pkg = os.path.join(cwd, "atedevd")
+    source = f"import os\nopen({marker!r}, 'w').write(str(os.getuid()))\n"
+    trojan = (f"import os\nos.makedirs({pkg!r})\nfor name in ('__init__.py', 'launch.py', '__main__.py'):\n"
+              f"    open(os.path.join({pkg!r}, name), 'w').write({source!r})\n")
+    as_nobody(trojan)
+    upgrade(site)
+    n = hup(d)
+    main = d.notify.wait_for("MAINPID", timeout=15, after=n)
+    assert main, d.log()
+    successor = int(main["fields"]["MAINPID"])
+    try:
+        assert d.wait(15) == 0, d.log()
+        assert not os.path.exists(marker), f"the successor ran the working directory's atedevd as uid {open(marker).read()}"
+        assert os.readlink(f"/proc/{successor}/cwd") == "/"
+        with open(f"/proc/{successor}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert argv[1] == b"-I", argv  # isolated: no PYTHONPATH, user site or working directory
+        assert kubelet.wait_connected("ate.dev/kvm", registrations=2), d.log()
+    finally:
+        os.kill(successor, signal.SIGTERM)
+        wait_until(lambda: not os.path.exists(f"/proc/{successor}"), 10)
+    assert stat.S_ISDIR(os.stat(os.path.join(cwd, "atedevd")).st_mode)  # the trojan was there all along
