@@ -19,7 +19,7 @@ import signal
 import time
 from typing import Callable, List, Optional, Tuple
 
-from atedevd import devices, handoff, instance, metrics, sockets, upgrade
+from atedevd import handoff, instance, metrics, sockets, upgrade
 from atedevd.config import Config, ConfigError, load
 from atedevd.host import Host
 from atedevd.kubelet import warm_up
@@ -59,6 +59,7 @@ class Daemon:
         self.exit_code = 0
         self._plugin_dir_was_mount = False  # under systemd, ReadWritePaths= binds it
         self._overflow_said: Optional[float] = None
+        self._watched: frozenset = frozenset()  # the directories the watcher was last asked for
         # No thread before the first Registers (each Register starts what kubelet's calls after
         # it need, Workers.registering); the rest of the pool once they are sent (_start_work).
         self._workers = Workers(len(cfg.devices), start_now=0)
@@ -138,6 +139,7 @@ class Daemon:
             now = time.monotonic()
             if self.node.wake(now):  # a resource began to be served: is its directory our sandbox's bind?
                 self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
+            self._watch()  # a link's node may sit in a directory not watched yet
             if self._start_work_due is not None and (
                     now >= self._start_work_due or self.node.stopping or self.node.registers_sent()):
                 self._start_work()
@@ -258,10 +260,17 @@ class Daemon:
             self._workers.grow(len(cfg.devices))
         now = time.monotonic()
         self.node.apply(cfg.devices, cfg.dev_root, cfg.sys_root, now)
-        dirs = [self.cfg.device_plugin_dir] + [p for d in cfg.devices for p in devices.directories(d, cfg.dev_root)]
-        self._watcher.want(dirs)
+        self._watch()
         if self.node.reconcile(now):
             self._plugin_dir_was_mount = _is_mount_point(self.cfg.device_plugin_dir)
+
+    def _watch(self) -> None:
+        """Watch kubelet's directory and every directory whose events can change what a
+        resource serves: its nodes', and those its links lead through (atedevd/devices.py)."""
+        dirs = self.node.directories() | {self.cfg.device_plugin_dir}
+        if dirs != self._watched:
+            self._watched = dirs
+            self._watcher.want(dirs)
 
     def _reload(self) -> None:
         self.notifier.reloading()

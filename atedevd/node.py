@@ -15,6 +15,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence
 import inotify.constants as ic
 
 from atedevd import sockets
+from atedevd.claims import Claims
 from atedevd.config import Device
 from atedevd.kubelet import KUBELET_SOCKET, KubeletView
 from atedevd.pod_resources import PodResourcesClient
@@ -70,6 +71,7 @@ class Node:
         self.stopping = False
         self.held = False  # a successor's: serve, but register only once released (atedevd/handoff.py)
         self.inherited: FrozenSet[str] = frozenset()  # a successor's: the resources its predecessor served
+        self.claims = Claims(self._poke)  # which resources reach which node: no node is two's (atedevd/claims.py)
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -78,6 +80,7 @@ class Node:
         the open stream, or register anew), unchanged are not touched."""
         moved = (dev_root, sys_root) != (self.dev_root, self.sys_root)
         self.dev_root, self.sys_root = dev_root, sys_root
+        self.claims.configure(devices, dev_root)
         wanted = {d.resource: d for d in devices}
         for name in list(self.resources):
             r = self.resources[name]
@@ -93,13 +96,23 @@ class Node:
         for name, device in wanted.items():
             if name not in self.resources:
                 r = self.resources[name] = Resource(device, dev_root, sys_root, self.host, self.pod_resources,
-                                                    self.run_id, self.serve_failed)
+                                                    self.run_id, self.serve_failed, self.claims)
                 r.advertised |= name in self.inherited  # its predecessor served it (Unhealthy, maybe): so do we
 
     def accept_nodes(self) -> None:
         """A reload checked the configuration: the nodes there now are the devices'."""
         for r in self.resources.values():
             r.accept_nodes()
+
+    def _poke(self, name: str) -> None:
+        """Another resource reaches one of `name`'s nodes now, or no longer: it looks again at once."""
+        r = self.resources.get(name)
+        if r is not None:
+            r.nodes_may_have_changed()
+
+    def directories(self) -> FrozenSet[str]:
+        """Every directory whose events can change what a resource serves (for the watcher)."""
+        return frozenset().union(*(r.directories for r in self.resources.values()))
 
     # --- what happened ---------------------------------------------------------------------------
 
@@ -215,6 +228,8 @@ class Node:
         """When the loop must wake next for a timer (each machine's timers read once: the loop
         asks after every wake-up)."""
         times = [at for at in (r.deadline for r in self.resources.values()) if at is not None]
+        if not self.stopping and self.resources:  # every resource's nodes are looked at, news or not
+            times.append(min(r.look_due for r in self.resources.values()))
         at = self.pod_resources.deadline
         if at is not None:
             times.append(at)

@@ -43,6 +43,135 @@ def by_id_link(dev_root, name, target):
     return link
 
 
+# --- one node, one resource ------------------------------------------------------------------
+
+
+def test_a_node_two_patterns_reach_is_served_by_neither_after_a_plug_a_reload_and_a_restart(
+        start_daemon, kubelet, dev_root, tmp_path):
+    mknod(dev_root, "ttyUSB10", 188, 10)  # ttyUSB* only
+    cfg = write(tmp_path / "c.toml", OVERLAPPING)
+    d = start_daemon(config=cfg)
+    d.wait_ready()
+    assert kubelet.wait_connected(A), d.log()
+    assert kubelet.wait(lambda: healthy(kubelet, A) == {"ttyUSB10"}, 5), d.log()
+    conflict = r"ERROR ate.dev/\w: .*/ttyUSB5 \(char 188:5, not in sysfs\) is reached by ate.dev/\w as /dev/ttyUSB5 " \
+               r"and by ate.dev/\w as /dev/ttyUSB5: a node handed to one container at a time is no other resource's"
+
+    mknod(dev_root, "ttyUSB5", 188, 5)  # plugged in after start: both reach it
+    assert wait_until(lambda: len(re.findall(conflict, d.log())) == 1, 5), d.log()
+    assert healthy(kubelet, A) == {"ttyUSB10"} and kubelet.registration_count(B) == 0, (health(kubelet, A), d.log())
+    with pytest.raises(grpc.RpcError) as e:
+        kubelet.allocate(A, ["ttyUSB5"])
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    reload(d)  # the running daemon's next reload is not refused for it
+    assert "reload failed" not in (d.status() or "") and healthy(kubelet, A) == {"ttyUSB10"}, (d.status(), d.log())
+    assert d.stop() == 0
+    d = start_daemon(config=cfg)  # nor its next start: the node is refused, not the configuration
+    d.wait_ready()
+    assert kubelet.wait_connected(A, registrations=2), d.log()
+    assert kubelet.wait(lambda: healthy(kubelet, A) == {"ttyUSB10"}, 5), d.log()
+    assert len(re.findall(conflict, d.log())) == 1 and kubelet.registration_count(B) == 0, d.log()
+
+    os.unlink(os.path.join(dev_root, "ttyUSB5"))
+    mknod(dev_root, "ttyUSB50", 188, 5)  # the same node under a name only ttyUSB* matches: A's alone, and served
+    assert kubelet.wait(lambda: healthy(kubelet, A) == {"ttyUSB10", "ttyUSB50"}, 5), (health(kubelet, A), d.log())
+
+
+def test_a_shareable_node_that_a_link_of_a_pattern_comes_to_reach_is_served_by_neither(start_daemon, kubelet, dev_root,
+                                                                                       tmp_path):
+    """udev makes the by-id link after the node: the shareable resource served it, and stops
+    the moment the pattern's link reaches it; when the link goes, it serves it again."""
+    cfg = write(tmp_path / "c.toml", f'[[device]]\nresource = "{GPS}"\npath = "/dev/ttyUSB5"\ncount = 4\n'
+                                     f'[[device]]\nresource = "{BY_ID}"\npath = "/dev/serial/by-id/*"\n')
+    d = start_daemon(config=cfg)
+    d.wait_ready()
+    mknod(dev_root, "ttyUSB5", 188, 5)
+    assert kubelet.wait_connected(GPS), d.log()
+    assert kubelet.wait(lambda: len(healthy(kubelet, GPS)) == 4, 5), d.log()
+    link = by_id_link(dev_root, "usb-u-blox_GNSS-if00", "ttyUSB5")
+    assert kubelet.wait(lambda: healthy(kubelet, GPS) == set(), 5), (health(kubelet, GPS), d.log())
+    assert healthy(kubelet, BY_ID) == set()
+    lines = [x for x in d.log().splitlines() if " ERROR " in x and "is reached by" in x]
+    assert len(lines) == 1 and GPS in lines[0] and BY_ID in lines[0] and "(char 188:5" in lines[0], d.log()
+    os.unlink(link)
+    assert kubelet.wait(lambda: len(healthy(kubelet, GPS)) == 4, 5), (health(kubelet, GPS), d.log())
+
+
+# --- a unit is Healthy only while its node is there -----------------------------------------------
+
+
+def test_a_node_removed_just_before_a_reload_does_not_stay_healthy(start_daemon, kubelet, dev_root, tmp_path):
+    """kill -STOP, rm, kill -HUP, kill -CONT: the event and the reload arrive together."""
+    for n in range(3):
+        mknod(dev_root, f"ttyUSB{n}", 188, n)
+    d = start_daemon(config=write(tmp_path / "c.toml", f'[[device]]\nresource = "{A}"\npath = "/dev/ttyUSB*"\n'))
+    d.wait_ready()
+    assert kubelet.wait_connected(A), d.log()
+    assert kubelet.wait(lambda: healthy(kubelet, A) == {"ttyUSB0", "ttyUSB1", "ttyUSB2"}, 5), d.log()
+    n = len(d.notify.messages)
+    d.send(signal.SIGSTOP)
+    try:
+        os.unlink(os.path.join(dev_root, "ttyUSB1"))
+        d.send(signal.SIGHUP)
+    finally:
+        d.send(signal.SIGCONT)
+    assert d.notify.wait_for("READY", "1", timeout=5, after=n + 1), d.log()
+    assert kubelet.wait(lambda: healthy(kubelet, A) == {"ttyUSB0", "ttyUSB2"}, 5), (health(kubelet, A), d.log())
+    assert wait_until(lambda: f"{A}: registered, 2/2 healthy" in (d.status() or ""), 5), d.status()
+    with pytest.raises(grpc.RpcError) as e:  # the list kubelet had a moment ago named it Healthy
+        kubelet.allocate(A, ["ttyUSB1"])
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+    assert "unit 'ttyUSB1' (/dev/ttyUSB1) left the device list" in e.value.details()
+
+
+def test_a_links_unit_is_judged_by_the_node_it_points_at_when_that_node_is_made_anew(start_daemon, kubelet, dev_root,
+                                                                                      tmp_path):
+    mknod(dev_root, "ttyUSB0", 188, 0)
+    by_id_link(dev_root, "usb-FTDI_FT232R-if00-port0", "ttyUSB0")
+    d = start_daemon(config=write(tmp_path / "c.toml", f'[[device]]\nresource = "{BY_ID}"\npath = "/dev/serial/by-id/*"\n'))
+    d.wait_ready()
+    assert kubelet.wait_connected(BY_ID), d.log()
+    unit = "serial-by-id-usb-FTDI_FT232R-if00-port0"
+    assert kubelet.wait(lambda: healthy(kubelet, BY_ID) == {unit}, 5), d.log()
+    os.unlink(os.path.join(dev_root, "ttyUSB0"))
+    mknod(dev_root, "ttyUSB0", 1, 1)  # the link stays; its node is now /dev/mem's numbers (nothing in by-id/ moved)
+    assert kubelet.wait(lambda: healthy(kubelet, BY_ID) == set(), 5), (health(kubelet, BY_ID), d.log())
+    assert re.search(r"ERROR ate.dev/serial: /dev/serial/by-id/usb-FTDI_FT232R-if00-port0: refused: .* -> .*/ttyUSB0 "
+                     r"\(char 1:1, not in sysfs\) is physical memory .*; unit serial-by-id-usb-FTDI_FT232R-if00-port0 is "
+                     r"Unhealthy", d.log()), d.log()
+    with pytest.raises(grpc.RpcError) as e:
+        kubelet.allocate(BY_ID, [unit])
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+# --- IDs: one path each, for the whole run ----------------------------------------------------
+
+
+def test_two_by_id_names_whose_ids_share_a_hash_never_share_an_id(start_daemon, kubelet, dev_root, tmp_path):
+    from atedevd.patterns import unit_id
+
+    first, second = (f"/dev/serial/by-id/{name}" for name in COLLIDING)
+    assert unit_id(first) == unit_id(second)  # the names collide
+    mknod(dev_root, "ttyUSB0", 188, 0)
+    by_id_link(dev_root, COLLIDING[0], "ttyUSB0")
+    d = start_daemon(config=write(tmp_path / "c.toml", f'[[device]]\nresource = "{BY_ID}"\npath = "/dev/serial/by-id/*"\n'))
+    d.wait_ready()
+    assert kubelet.wait_connected(BY_ID), d.log()
+    uid = unit_id(first)
+    assert kubelet.wait(lambda: healthy(kubelet, BY_ID) == {uid}, 5), d.log()
+    assert allocated_paths(kubelet, BY_ID, [uid]) == [(first, first, "rw")]
+    mknod(dev_root, "ttyUSB1", 188, 1)
+    by_id_link(dev_root, COLLIDING[1], "ttyUSB1")  # the second adapter
+    assert wait_until(lambda: f"{second} would be unit {uid}, the ID {first} has had" in d.log(), 5), d.log()
+    assert health(kubelet, BY_ID) == {uid: "Healthy"} and allocated_paths(kubelet, BY_ID, [uid]) == [(first, first, "rw")]
+    os.unlink(os.path.join(dev_root, "serial", "by-id", COLLIDING[0]))  # the first one goes: its ID stays its own
+    assert kubelet.wait(lambda: health(kubelet, BY_ID) == {uid: "Unhealthy"}, 5), (health(kubelet, BY_ID), d.log())
+    reload(d)  # a reload drops the unit whose node is gone; the ID still means the first path
+    assert kubelet.wait(lambda: health(kubelet, BY_ID) == {}, 5), (health(kubelet, BY_ID), d.log())
+    assert d.log().count(f"{second} would be unit {uid}") == 1  # said once
+
+
 # --- what kubelet may still Allocate ----------------------------------------------------------------
 
 
