@@ -36,7 +36,10 @@ Observe = Callable[[str, bool], Observed]  # (host path, allow_host_access) -> O
 
 
 def observe_disk(sys_root: str = policy.SYS_ROOT) -> Observe:
-    """The node at a path as the daemon sees it: every link followed, judged by the policy."""
+    """The node at a path as the daemon sees it: every link followed, judged by the policy.
+    The policy's verdict is remembered per major:minor (sysfs is read once for each: it
+    does not change under a simulation or a test; take a new observer where it may)."""
+    verdicts: Dict[Tuple[int, bool], bool] = {}
 
     def observe(host_path: str, allow_host_access: bool) -> Observed:
         try:
@@ -45,8 +48,11 @@ def observe_disk(sys_root: str = policy.SYS_ROOT) -> Observe:
             return Observed("missing")
         if not stat.S_ISCHR(st.st_mode):
             return Observed("block" if stat.S_ISBLK(st.st_mode) else "other", st.st_rdev, False)
-        node = policy.look(host_path, sys_root)
-        return Observed("char", st.st_rdev, not policy.refused(policy.judge(node), allow_host_access))
+        key = (st.st_rdev, allow_host_access)
+        if key not in verdicts:
+            node = policy.look(host_path, sys_root)
+            verdicts[key] = not policy.refused(policy.judge(node), allow_host_access)
+        return Observed("char", st.st_rdev, verdicts[key])
 
     return observe
 
@@ -56,10 +62,13 @@ class Invariants:
 
     def __init__(self) -> None:
         self._ids: Dict[Tuple[str, str], str] = {}  # (resource, ID) -> the path it meant first
+        self._observe: Optional[Observe] = None
 
     def check(self, node, observe: Optional[Observe] = None) -> List[str]:
-        """Every violation now, one line each; [] when all hold."""
-        observe = observe or observe_disk(node.sys_root)
+        """Every violation now, one line each; [] when all hold. `observe`: what is at a path
+        (default: the disk, judged as the daemon judges it, the policy's verdicts remembered)."""
+        if observe is None:
+            observe = self._observe = self._observe or observe_disk(node.sys_root)
         found: List[str] = []
         holders: Dict[int, List[Tuple[str, str, bool]]] = {}  # rdev -> (resource, what, exclusive) served Healthy
         for name, r in sorted(node.resources.items()):
