@@ -117,7 +117,7 @@ class Daemon:
             if self.notifier.watchdog_interval and now >= next_watchdog:
                 self.notifier.watchdog()
                 next_watchdog = now + self.notifier.watchdog_interval
-            deadlines = [self.node.deadline(), self._start_work_due,
+            deadlines = [self.node.deadline(), self.node.look_deadline(), self._start_work_due,
                          self.predecessor.deadline if self.predecessor is not None else None,
                          self._watcher.poll_deadline(),  # directories inotify could not watch are polled
                          next_watchdog if self.notifier.watchdog_interval else None, self.metrics.deadline()]
@@ -269,8 +269,12 @@ class Daemon:
         resource serves: its nodes', and those its links lead through (atedevd/devices.py)."""
         dirs = self.node.directories() | {self.cfg.device_plugin_dir}
         if dirs != self._watched:
+            new = dirs - self._watched
             self._watched = dirs
             self._watcher.want(dirs)
+            if new:  # a change there before its watch was armed has no event: look once more
+                for r in self.node.resources.values():
+                    r.nodes_may_have_changed()
 
     def _reload(self) -> None:
         self.notifier.reloading()

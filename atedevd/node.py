@@ -228,12 +228,17 @@ class Node:
         """When the loop must wake next for a timer (each machine's timers read once: the loop
         asks after every wake-up)."""
         times = [at for at in (r.deadline for r in self.resources.values()) if at is not None]
-        if not self.stopping and self.resources:  # every resource's nodes are looked at, news or not
-            times.append(min(r.look_due for r in self.resources.values()))
         at = self.pod_resources.deadline
         if at is not None:
             times.append(at)
         return min(times) if times else None
+
+    def look_deadline(self) -> Optional[float]:
+        """When the loop must wake to look at the resources' nodes, news or not (every 2 s; at
+        once when another resource's judgement concerns one of them); None while stopping."""
+        if self.stopping or not self.resources:
+            return None
+        return min(r.look_due for r in self.resources.values())
 
     def registers_sent(self) -> bool:
         """Every resource's first Register is on its way (or it is not waiting for one)."""

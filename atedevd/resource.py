@@ -24,8 +24,9 @@ from atedevd.registration.report import Report
 
 # A pattern's directory is listed when its events say a node may have come or gone, and at
 # least this often all the same (a look costs ~200 us for 64 nodes, a shareable node's 6 us,
-# looked at on every wake-up); the loop wakes for it (Node.deadline), so that what an event
-# did not say (a lost one, a link's node changed before its directory was watched) is seen.
+# looked at on every wake-up): the daemon's loop wakes for it (Node.look_deadline), so that
+# what no event said (a lost one, a link's node changed before its directory was watched) is
+# seen without a wake-up for something else.
 PATTERN_LOOK_EVERY_S = 2.0
 
 

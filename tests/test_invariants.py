@@ -281,7 +281,7 @@ def test_a_daemons_node_looks_at_its_nodes_on_a_deadline_of_its_own_and_watches_
     check = invariants.Invariants()
     node.wake(100.0)
     assert check.check(node) == []
-    assert node.deadline() == 100.0 + PATTERN_LOOK_EVERY_S  # nothing else is due: the look is
+    assert node.deadline() is None and node.look_deadline() == 100.0 + PATTERN_LOOK_EVERY_S  # the look's own
     # the pattern's directory, and every one its link leads through: ttyUSB0's, and the node's at the end
     assert node.directories() == {str(tmp_path / "serial" / "by-id"), str(tmp_path), "/dev"}
     serial = node.resources["a.dev/serial"]
@@ -290,15 +290,15 @@ def test_a_daemons_node_looks_at_its_nodes_on_a_deadline_of_its_own_and_watches_
     node.wake(101.0)  # a wake-up for something else, within the period: not looked at yet
     assert check.check(node) == ["a.dev/serial: unit serial-by-id-usb-gps is Healthy but /dev/serial/by-id/usb-gps is "
                                  f"{_mm(os.stat(REFUSED).st_rdev)}, not the {_mm(os.stat('/dev/null').st_rdev)} first served"]
-    node.wake(node.deadline())  # its own deadline
+    node.wake(node.look_deadline())  # its own deadline
     assert check.check(node) == [] and [u.healthy for u in serial.snapshot.by_id.values()] == [False]
     link(tmp_path, "kvm", "ttyUSB0")  # now the shareable path reaches a node the pattern hands out ...
     link(tmp_path, "ttyUSB0", "/dev/zero")
     node.wake(103.0)
     assert not node.resources["a.dev/kvm"].snapshot.healthy and not serial.snapshot.healthy
-    assert node.deadline() < 103.0  # ... and the pattern's resource, told, looks again at once
+    assert node.look_deadline() < 103.0  # ... and the pattern's resource, told, looks again at once
     node.wake(103.0)
     assert check.check(node) == []
     assert [r.state for r in serial.table.listing()] == ["claimed: a.dev/kvm reaches it too, as /dev/kvm"]
     node.begin_stop(104.0)
-    assert node.deadline() is None  # stopping: no more looks, no spinning
+    assert node.look_deadline() is None  # stopping: no more looks, no spinning
