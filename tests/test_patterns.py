@@ -161,6 +161,8 @@ def test_a_node_a_pattern_hands_out_and_another_device_reaches_is_named_not_a_co
     assert rows["/dev/ttyUSB0"]["role"] == "match" and rows["/dev/ttyUSB0"]["id"] is None
     [gps] = check.node_rows(cfg, cfg.devices[1])
     assert gps["state"] == "claimed: a.dev/serial reaches it too, as /dev/ttyUSB0", gps
+    problems = [f.message for f in check.collect(cfg, lambda: None).problems if f.check == "device"]
+    assert f"{dev}/gps: claimed: a.dev/serial reaches it too, as /dev/ttyUSB0" in problems, problems  # NOT READY
 
 
 # --- the trust check -------------------------------------------------------------------------
