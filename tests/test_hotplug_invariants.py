@@ -175,6 +175,7 @@ def test_two_by_id_names_whose_ids_share_a_hash_never_share_an_id(start_daemon, 
 # --- what kubelet may still Allocate ----------------------------------------------------------------
 
 
+@pytest.mark.registration  # both kubelet generations the stand-in models
 def test_an_id_of_the_list_kubelet_still_holds_is_granted_after_a_reload_lowers_the_count(start_daemon, kubelet,
                                                                                           tmp_path):
     """kubelet 1.32 kept allocating from the 1024-unit list for up to 57 ms after the 512-unit one
