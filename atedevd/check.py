@@ -140,6 +140,8 @@ def _check_device(cfg: Config, dev: Device, report: Report) -> None:
     for n in row["nodes"]:
         if n["role"] == "companion" and n["state"] != "ok":  # no unit is Healthy without it
             report.add("device", dev.resource, PROBLEM, f"companion {n['host_path']}: {n['state']}")
+        elif n["role"] == "node" and n["state"].startswith("claimed"):  # a pattern of another resource has it
+            report.add("device", dev.resource, PROBLEM, f"{host}: {n['state']}")
     report.devices.append(row)
     report.add("device", dev.resource, OK if ok else PROBLEM, f"{host}: {what}")
     if not ok:
@@ -185,17 +187,22 @@ def _check_pattern(cfg: Config, dev: Device, report: Report) -> None:
 
 def node_rows(cfg: Config, dev: Device) -> List[dict]:
     """Every node the device reaches (a pattern's matches, its node, its companions), judged
-    as the daemon judges them at its start: ID, major:minor, NUMA node, present, allowed."""
+    as the daemon judges them at its start: ID, major:minor, NUMA node, present, allowed,
+    and whether another configured resource reaches it too (atedevd/claims.py)."""
+    from atedevd.claims import Claims
     from atedevd.resource import node_table
 
-    table = node_table(dev, cfg.dev_root, cfg.sys_root)
+    claims = Claims()
+    claims.configure(cfg.devices, cfg.dev_root)
+    table = node_table(dev, cfg.dev_root, cfg.sys_root, claims)
     table.look()  # what it would log is what these rows say
     return [dict(row._asdict(), numa=list(row.numa), pci=list(row.pci)) for row in table.listing()]
 
 
 def pattern_findings(cfg: Config) -> List[Tuple[str, str, str]]:
     """(resource, status, line) per node a pattern matches but will not serve: refused by the
-    device policy, or the same node as another unit. Said, never a problem: the others are served."""
+    device policy, the same node as another unit, or a node another resource reaches too.
+    Said, never a problem: the others are served."""
     out = []
     for dev in cfg.devices:
         if not dev.pattern:
@@ -532,6 +539,9 @@ def metrics_state(configured: Optional[str], props: Optional[Dict[str, str]]) ->
         return WARNING, f"{directory} is {state}: atedevd.prom is not written"
     if not os.access(directory, os.W_OK):
         return WARNING, f"{directory} is not writable (a read-only mount?): atedevd.prom is not written"
+    refused = metrics.directory_refused(directory)
+    if refused:
+        return WARNING, f"{refused}: atedevd.prom is not written"
     listed = None if props is None else _sandbox_keeps_read_only(directory, props)
     if listed is not None:
         return WARNING, (f"{directory} is read-only in {UNIT}'s sandbox (ProtectSystem=strict; ReadWritePaths= "

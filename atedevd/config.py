@@ -671,7 +671,8 @@ def _check_policy(cfg: Config, lines: Optional[_Lines], report: _Report) -> None
     """Refuse a device whose node (or a companion) gives a container the host (policy.py),
     unless its table opts in. A node absent now cannot be judged: the daemon judges it
     when it appears. What a pattern matches is judged node by node and a refused match
-    is left out (the daemon and `check` name it), not an error."""
+    is left out (the daemon and `check` name it), not an error; so is a node two
+    resources reach (atedevd/claims.py: served by neither, at start as later)."""
     for i, dev in enumerate(cfg.devices):
         keys = ([] if dev.pattern else [("path", dev.path)]) + [("companions", c) for c in dev.companions]
         for key, path in keys:
@@ -689,44 +690,6 @@ def _check_policy(cfg: Config, lines: Optional[_Lines], report: _Report) -> None
                 line = lines.of("device", i, "host_mode") if lines else None
                 report.add(f"[[device]] #{i + 1} host_mode: {_q(path)} ({dev.resource}): refused: {found}; "
                            "atedevd never widens the host's mode of such a node", line)
-    if any(dev.pattern for dev in cfg.devices):
-        _check_exclusive(cfg, lines, report)
-
-
-def _check_exclusive(cfg: Config, lines: Optional[_Lines], report: _Report) -> None:
-    """A node a pattern hands to one container at a time must be no other device's: not
-    another table's path, companion or match (judged on the nodes there now, by number,
-    every symlink followed)."""
-    reach: Dict[int, List[Tuple[int, str]]] = {}  # st_rdev -> (table index, path) of every way to it
-    for i, dev in enumerate(cfg.devices):
-        paths = list(dev.companions)
-        if dev.pattern:
-            found = Pattern(dev.path, cfg.dev_root)
-            paths += [found.path_of(n) for n in found.names() if found.path_of(n) not in dev.companions]
-        else:
-            paths.append(dev.path)
-        for path in paths:
-            try:
-                st = os.stat(host_path(path, cfg.dev_root))
-            except OSError:
-                continue
-            if stat.S_ISCHR(st.st_mode):
-                reach.setdefault(st.st_rdev, []).append((i, path))
-    said = set()
-    for i, dev in enumerate(cfg.devices):
-        if not dev.pattern:
-            continue
-        for rdev, ways in reach.items():
-            mine = [p for j, p in ways if j == i and p not in dev.companions]
-            others = [(j, p) for j, p in ways if j != i]
-            if not mine or not others or (i, mine[0]) in said:
-                continue
-            said.add((i, mine[0]))
-            j, other = others[0]
-            line = lines.of("device", i, "path") if lines else None
-            report.add(f"[[device]] #{i + 1} path: {_q(dev.path)} matches {mine[0]} (char {os.major(rdev)}:"
-                       f"{os.minor(rdev)}), which [[device]] #{j + 1} ({cfg.devices[j].resource}) grants too as "
-                       f"{other}: a node handed to one container at a time must be no other device's", line)
 
 
 def _apply_overrides(cfg: Config, overrides: Mapping[str, Optional[str]], report: _Report) -> Config:

@@ -21,13 +21,13 @@ import signal
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from atedevd import cdi_keeper, devices, handoff, instance, metrics, sandbox, sockets, upgrade
+from atedevd import cdi_keeper, handoff, instance, metrics, sandbox, sockets, upgrade
 from atedevd.config import Config, ConfigError, load
 from atedevd.host import Host
 from atedevd.kubelet import warm_up
 from atedevd.node import Node
 from atedevd.plugin import Workers
-from atedevd.process import Process, ProcessAction, Ready, ServingBegan, StartWork, Status, WriteMetrics
+from atedevd.process import Process, ProcessAction, Ready, ServingBegan, StartWork, Status, WatchDirectories, WriteMetrics
 from atedevd.registration.messages import Say
 from atedevd.systemd import Notifier, event, set_level
 from atedevd.watch import Watcher
@@ -191,6 +191,9 @@ class Daemon:
     def _serving_began(self, a: ServingBegan) -> None:
         self._bind.served()
 
+    def _watch(self, a: WatchDirectories) -> None:
+        self._watcher.want(a.directories)
+
     # --- configuration --------------------------------------------------------------
 
     def _apply(self, cfg: Config, first: bool = False) -> None:
@@ -207,7 +210,9 @@ class Daemon:
         now = time.monotonic()
         self.cdi.configure(cfg)  # before a resource's first snapshot
         self.node.apply(cfg.devices, cfg.dev_root, cfg.sys_root, now)
-        self._watcher.want([cfg.device_plugin_dir] + [p for d in cfg.devices for p in devices.directories(d, cfg.dev_root)])
+        dirs = self.node.directories_to_watch()  # (at once: what happens there from now on is news)
+        if dirs is not None:
+            self._watcher.want(dirs)
         if self.node.reconcile(now):
             self._bind.served()
 
@@ -287,7 +292,7 @@ class Daemon:
 # (A type checker cannot tie each key to its function's parameter: tests/test_dispatch.py does.)
 _DO: Dict[type, Callable[..., None]] = {
     StartWork: Daemon._start_work, Status: Daemon._status, Ready: Daemon._ready, WriteMetrics: Daemon._write_metrics,
-    ServingBegan: Daemon._serving_began, handoff.Send: Daemon._send, handoff.StopSuccessor: Daemon._stop_successor,
+    ServingBegan: Daemon._serving_began, WatchDirectories: Daemon._watch, handoff.Send: Daemon._send, handoff.StopSuccessor: Daemon._stop_successor,
     handoff.MainPid: Daemon._main_pid, handoff.Exit: Daemon._exit, handoff.BecomeMain: Daemon._become_main,
     Say: Daemon._say,
 }

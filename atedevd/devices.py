@@ -74,19 +74,64 @@ class Change(Record):
     device: Optional[str] = None  # the node it is about (ATEDEVD_DEVICE); None: the device's path
 
 
+def stat_key(path: str) -> tuple:
+    """What one stat() of a node (every link followed) says: its type, numbers and identity
+    (a node made anew under the same name, or a link led elsewhere, is another key), or the
+    error."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return ("error", e.errno)
+    return (stat.S_IFMT(st.st_mode), st.st_rdev, st.st_dev, st.st_ino)
+
+
+def is_node(key: tuple, numbers: Optional[Tuple[int, int]]) -> bool:
+    """`key` (stat_key) is a character device with these numbers."""
+    return numbers is not None and key[0] == stat.S_IFCHR and key[1] == os.makedev(*numbers)
+
+
+def link_directories(path: str) -> Tuple[str, ...]:
+    """The directories a chain of symlinks at `path` leads through, the one its node sits in
+    last: a node replaced there (udev's by-id link stays, its target is made anew) changes
+    what the path reaches without an event in the link's own directory."""
+    found: List[str] = []
+    for _ in range(40):  # the kernel's limit on links in one lookup
+        try:
+            if not stat.S_ISLNK(os.lstat(path).st_mode):
+                break
+            target = os.readlink(path)
+        except OSError:
+            break
+        path = os.path.join(os.path.realpath(os.path.dirname(path)), target)
+        found.append(os.path.realpath(os.path.dirname(path)))
+    return tuple(dict.fromkeys(found))
+
+
 class NodeWatch:
     """What the loop knows of one device's node between two looks: the
-    major:minor first served, and the last state reported."""
+    major:minor first served, and the last state reported.
 
-    def __init__(self) -> None:
+    With `claims` (atedevd/claims.py), a node another resource hands out one container at
+    a time (or, for `exclusive`, any node another resource reaches) is "claimed" and not
+    served, and judged again at every look until only one of them reaches it."""
+
+    def __init__(self, claims=None, resource: str = "", exclusive: bool = False) -> None:
         self.first: Optional[Tuple[int, int]] = None
         self._last: Optional[tuple] = None
         self._stat: Optional[tuple] = None  # what one stat() saw last: the loop looks on every wake-up
+        self.via: Tuple[str, ...] = ()  # the directories its link leads through (link_directories)
+        self.rival = None  # claims.Rival while another resource reaches the node
+        self.numbers: Optional[Tuple[int, int]] = None  # the node's, as last judged
+        self._claims, self._resource, self._exclusive = claims, resource, exclusive
 
     def forget(self) -> None:
         """A reload: the node at the path now is accepted as the device's (the
         configuration check has judged it)."""
         self.first = None
+        self._stat = None
+
+    def recheck(self) -> None:
+        """Judge the node in full at the next look (another resource reaches it now)."""
         self._stat = None
 
     def look(self, device: Device, dev_root: str, advertised: bool, sys_root: str = policy.SYS_ROOT) -> Optional[Change]:
@@ -97,27 +142,35 @@ class NodeWatch:
         type or numbers changed. A driver that takes over a node's numbers has
         its node made anew by udev, so it is looked at in full.
         """
-        try:
-            st = os.stat(device.host_path(dev_root))
-            seen: tuple = (stat.S_IFMT(st.st_mode), st.st_rdev)
-        except OSError as e:
-            seen = ("error", e.errno)
-        if seen == self._stat:
+        where = device.host_path(dev_root)
+        seen = stat_key(where)
+        if seen == self._stat and self.rival is None:
             return None
         self._stat = seen
+        self.via = link_directories(where)
         found = presence(device, dev_root, sys_root)
         numbers = (found.node.major, found.node.minor) if found.node else None
         state = found.state
-        if state == PRESENT:
-            if self.first is None:  # the first node served (again after a reload)
-                self.first = numbers
-            elif numbers != self.first:
-                state = "changed"
+        rival, self.rival = self.rival, None
+        if state == PRESENT and self._claims is not None:  # before our own rule: released only when not reached
+            self._claims.new_look()
+            self.rival = self._claims.rival(self._resource, found.node, self._exclusive, device.path)
+            if self.rival is not None:
+                state = "claimed"
+        if state == PRESENT and self.first is not None and numbers != self.first:
+            state = "changed"
+        if rival is not None and self.rival is None and self.numbers is not None:
+            self._claims.release(self._resource, os.makedev(*self.numbers))
+        self.numbers = numbers
+        if state == PRESENT and self.first is None:  # the first node served (again after a reload)
+            self.first = numbers
         key = (state, numbers)
         if key == self._last:
             return None
         first_look, self._last = self._last is None, key
-        where = device.host_path(dev_root)
+        if state == "claimed":
+            return Change(False, logging.ERROR if self.rival.news else logging.DEBUG, "device-conflict",
+                          f"{self.rival.text}; {'units are Unhealthy' if advertised else 'not advertised'}")
         if state == PRESENT:
             if found.refusal is not None:  # opted in: said at every start and whenever it appears
                 return Change(True, logging.WARNING, "device-host-access",
@@ -225,10 +278,10 @@ class _Companions:
     """The nodes every unit brings along (VFIO: /dev/vfio/vfio). Each is judged as a
     device path is and keeps its first node; while one is not there, no unit is Healthy."""
 
-    def __init__(self, device: Device, dev_root: str, sys_root: str) -> None:
+    def __init__(self, device: Device, dev_root: str, sys_root: str, claims=None) -> None:
         self._dev_root, self._sys_root = dev_root, sys_root
-        self._nodes = [(Device(device.resource, path, allow_host_access=device.allow_host_access), NodeWatch())
-                       for path in device.companions]
+        self._nodes = [(Device(device.resource, path, allow_host_access=device.allow_host_access),
+                        NodeWatch(claims, device.resource)) for path in device.companions]
         self._present: Dict[str, bool] = {}
 
     @property
@@ -254,20 +307,35 @@ class _Companions:
         for _, watch in self._nodes:
             watch.forget()
 
+    def recheck(self, rdev: int) -> None:
+        for _, watch in self._nodes:
+            if watch.numbers is not None and os.makedev(*watch.numbers) == rdev:
+                watch.recheck()
+
+    @property
+    def via(self) -> Tuple[str, ...]:
+        return tuple(d for _, watch in self._nodes for d in watch.via)
+
+    def served(self) -> List["Served"]:
+        return [Served(None, dev.path, dev.host_path(self._dev_root), watch.first, "companion") for dev, watch in self._nodes]
+
     def listing(self) -> list:
-        return [row(dev, self._dev_root, self._sys_root, "companion") for dev, _ in self._nodes]
+        return [row(dev, self._dev_root, self._sys_root, "companion", watch.rival) for dev, watch in self._nodes]
 
 
 class SharedTable:
     """One node advertised as `count` interchangeable units (the default, `/dev/kvm`)."""
 
-    def __init__(self, device: Device, dev_root: str, sys_root: str = policy.SYS_ROOT) -> None:
+    def __init__(self, device: Device, dev_root: str, sys_root: str = policy.SYS_ROOT, claims=None) -> None:
         self.device, self._dev_root, self._sys_root = device, dev_root, sys_root
-        self._node = NodeWatch()
+        self._node = NodeWatch(claims, device.resource)
         self._present: Optional[bool] = None
-        self._companions = _Companions(device, dev_root, sys_root) if device.companions else None
+        self._companions = _Companions(device, dev_root, sys_root, claims) if device.companions else None
         self.advertised = False  # once its node was present; then kept served (Unhealthy while missing)
         self.healthy = False
+        self._directories = frozenset(map(os.path.normpath, directories(device, dev_root)))
+        if claims is not None:
+            claims.join(device.resource, self)
 
     def look(self) -> Tuple[List[Change], bool]:
         """What to tell the journal since the last look, and whether what kubelet is sent changed."""
@@ -296,9 +364,26 @@ class SharedTable:
         if self._companions is not None:
             self._companions.forget()
 
+    def recheck(self, rdev: int) -> None:
+        """Another resource reaches node `rdev` now, or no longer: judge it again at the next look."""
+        if self._node.numbers is not None and os.makedev(*self._node.numbers) == rdev:
+            self._node.recheck()
+        if self._companions is not None:
+            self._companions.recheck(rdev)
+
+    def directories(self) -> FrozenSet[str]:
+        """Where events can change what it serves: its paths' directories, and those their links lead through."""
+        via = self._node.via + (self._companions.via if self._companions else ())
+        return self._directories.union(via) if via else self._directories
+
+    def served(self) -> List["Served"]:
+        """Its node and companions as served (for the invariants' check)."""
+        node = Served(None, self.device.path, self.device.host_path(self._dev_root), self._node.first, "node")
+        return [node] + (self._companions.served() if self._companions else [])
+
     def listing(self) -> list:
         """The device's node and its companions, for `atedevd check`."""
-        rows = [row(self.device, self._dev_root, self._sys_root, "node")]
+        rows = [row(self.device, self._dev_root, self._sys_root, "node", self._node.rival)]
         return rows + (self._companions.listing() if self._companions else [])
 
 
@@ -319,14 +404,27 @@ class NodeRow(Record):
     state: str  # "ok", or why it is not served
 
 
-def row(device: Device, dev_root: str, sys_root: str, role: str) -> NodeRow:
-    """A node judged on its own (a shareable device's, a companion)."""
+class Served(Record):
+    """A node as a table serves it: what the invariants' check compares with the node there."""
+
+    id: Optional[str]  # the unit's ID (a pattern's); None: a shareable device's node, a companion
+    path: str
+    host_path: str
+    first: Optional[Tuple[int, int]]  # the numbers first served; None: not served yet
+    role: str  # "unit", "node", "companion"
+
+
+def row(device: Device, dev_root: str, sys_root: str, role: str, rival=None) -> NodeRow:
+    """A node judged on its own (a shareable device's, a companion); `rival`: another resource
+    reaches it too (claims.Rival)."""
     found = presence(device, dev_root, sys_root)
     numa, pci = placement(found.node, sys_root) if found.node is not None else ((), ())
     refused = found.refusal is not None and found.state != PRESENT
+    state = "ok" if found.state == PRESENT else found.state
+    if rival is not None and found.state == PRESENT:
+        state = f"claimed: {rival.resource} reaches it too, as {rival.path}"
     return NodeRow(None, device.path, device.host_path(dev_root), role, found.node.numbers if found.node else None,
-                   numa, pci, found.state != MISSING, not refused,
-                   "ok" if found.state == PRESENT else found.state)
+                   numa, pci, found.state != MISSING, not refused, state)
 
 
 def placement(node: policy.Node, sys_root: str = policy.SYS_ROOT) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:

@@ -12,11 +12,14 @@ it changed and at least every REFRESH_S, so that the file's age
 documented in docs/metrics.md.
 """
 
+import errno
 import logging
 import os
+import stat
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
+from atedevd import trust
 from atedevd.record import Record
 from atedevd.registration.messages import State, Why
 from atedevd.registration.report import Report
@@ -200,23 +203,60 @@ class TextfileWriter:
             log.info("metrics written to %s again", self.path)
 
 
+def directory_refused(directory: str, st: Optional[os.stat_result] = None) -> Optional[str]:
+    """Why atedevd will not write in `directory` (as `atedevd check` says it too), or None."""
+    if st is None:
+        try:
+            st = os.lstat(directory)
+        except OSError:
+            return None  # said otherwise: missing, unreadable
+    if stat.S_ISLNK(st.st_mode):
+        return f"{directory} is a symbolic link: set metrics_dir to the directory it points to"
+    problem = trust.writable_by_others(directory, st)
+    if problem:
+        return f"refused: another user could put a file of theirs where atedevd writes (a FIFO would block its loop): {problem}"
+    return None
+
+
 def write_atomically(path: str, text: str) -> None:
     """Replace `path` with `text`: a file of our own beside it (a name node_exporter does not
     read: not *.prom), mode 0644, then rename. No `tempfile`: it would be imported after the
-    start, and after an upgrade what is on disk is another version's."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    start, and after an upgrade what is on disk is another version's.
+
+    Nothing another user can put in the directory blocks or redirects the loop: the
+    directory is opened without following a link and judged as opened (owned by root or
+    us, writable by neither group nor others: else OSError naming why), the temporary
+    file has an unguessable name and is created anew (O_EXCL: never a FIFO, a link or a
+    file someone left there; O_NONBLOCK all the same), and both steps go through the
+    directory's descriptor, so a directory swapped meanwhile is not written into."""
+    directory, name = os.path.split(path)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            os.fchmod(f.fileno(), 0o644)  # node_exporter runs as its own user
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        dfd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:  # a link there: ELOOP, or ENOTDIR with O_DIRECTORY
+        problem = directory_refused(directory) if e.errno in (errno.ELOOP, errno.ENOTDIR) else None
+        if problem:
+            raise OSError(e.errno, problem)
         raise
+    try:
+        problem = directory_refused(directory, os.fstat(dfd))
+        if problem:
+            raise OSError(errno.EPERM, problem)
+        tmp = f".{name}.{os.urandom(8).hex()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600,
+                     dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                os.fchmod(f.fileno(), 0o644)  # node_exporter runs as its own user
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(dfd)
 
 
 def _escape(value: str) -> str:

@@ -16,6 +16,7 @@ from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence
 import inotify.constants as ic
 
 from atedevd import sockets
+from atedevd.claims import Claims
 from atedevd.config import Device
 from atedevd.kubelet import KUBELET_SOCKET, KubeletView
 from atedevd.pod_resources import PodResourcesClient
@@ -76,6 +77,8 @@ class Node:
         self.stopping = False
         self.held = False  # a successor's: serve, but register only once released (atedevd/handoff.py)
         self.inherited: FrozenSet[str] = frozenset()  # a successor's: the resources its predecessor served
+        self.claims = Claims(self._poke)  # which resources reach which node: no node is two's (atedevd/claims.py)
+        self._watched: FrozenSet[str] = frozenset()  # the directories the watcher was last asked for
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -84,6 +87,7 @@ class Node:
         (they go out on the open stream, or register anew), unchanged are not touched."""
         moved = (dev_root, sys_root) != (self.dev_root, self.sys_root)
         self.dev_root, self.sys_root = dev_root, sys_root
+        self.claims.configure(devices, dev_root)
         wanted = {d.resource: d for d in devices}
         for name in list(self.resources):
             r = self.resources[name]
@@ -100,13 +104,33 @@ class Node:
             if name not in self.resources:
                 r = self.resources[name] = Resource(device, dev_root, sys_root, self.host, self.pod_resources,
                                                     self.run_id, self.serve_failed,
-                                                    self._numbers.setdefault(name, itertools.count(1)))
+                                                    self._numbers.setdefault(name, itertools.count(1)), self.claims)
                 r.advertised |= name in self.inherited  # its predecessor served it (Unhealthy, maybe): so do we
 
     def accept_nodes(self) -> None:
         """A reload checked the configuration: the nodes there now are the devices'."""
         for r in self.resources.values():
             r.accept_nodes()
+
+    def _poke(self, name: str) -> None:
+        """Another resource reaches one of `name`'s nodes now, or no longer: it looks again at once."""
+        r = self.resources.get(name)
+        if r is not None:
+            r.nodes_may_have_changed()
+
+    def directories_to_watch(self) -> Optional[FrozenSet[str]]:
+        """kubelet's directory and every directory whose events can change what a resource
+        serves (its nodes', and those its links lead through), when that changed since the
+        last call (None: unchanged). A change in a directory before its watch was armed has
+        no event: every resource looks once more when one is new."""
+        dirs = frozenset().union(*(r.directories for r in self.resources.values())) | {self.plugin_dir}
+        if dirs == self._watched:
+            return None
+        new, self._watched = dirs - self._watched, dirs
+        if new:
+            for r in self.resources.values():
+                r.nodes_may_have_changed()
+        return dirs
 
     # --- what happened ---------------------------------------------------------------------------
 
@@ -221,6 +245,8 @@ class Node:
         at = self.pod_resources.deadline
         if at is not None:
             times.append(at)
+        if not self.stopping and self.resources:  # the look at the nodes, news or not (every 2 s)
+            times.append(min(r.look_due for r in self.resources.values()))
         return min(times) if times else None
 
     def registers_sent(self) -> bool:

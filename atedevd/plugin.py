@@ -11,11 +11,13 @@ import logging
 import os
 import queue
 import threading
+import time
 from concurrent import futures
 from typing import Callable, Optional, Set
 
 import grpc
 
+from atedevd import lists
 from atedevd.api import device_plugin_handler, pb
 from atedevd.config import Device
 from atedevd.devices import Snapshot
@@ -166,6 +168,7 @@ class PluginServer:
         )
         # Nodes every unit brings along (VFIO: /dev/vfio/vfio), in every answer.
         self._companions = _companion_specs(device)
+        self._sent = lists.SentLists()  # what kubelet may still allocate from (atedevd/lists.py)
 
     # --- control loop side ---------------------------------------------------
 
@@ -275,6 +278,8 @@ class PluginServer:
                         return
                     sent = self._snapshot
                 yield sent.response
+                if stream.primary:  # kubelet's: what it may allocate from until it has taken the next
+                    self._sent.sent(sent, time.monotonic())
                 if first:  # gRPC wants the next message: the first one is on its way to kubelet
                     first = False
                     self._on_event(StreamEvent.LIST_SENT)
@@ -311,6 +316,10 @@ class PluginServer:
                 # Any number of units of one device still mean one device node.
                 specs = [self._spec]
             else:  # one node per unit
+                gone = [i for i in dict.fromkeys(creq.devices_ids) if i not in snap.by_id]
+                if gone:  # in a list kubelet may still hold (_check_ids), not in ours
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"container request {n}: " + lists.left(
+                        self._sent.earlier(gone[0], time.monotonic()), self.device.resource))
                 units = [snap.by_id[i] for i in dict.fromkeys(creq.devices_ids)]
                 down = [u for u in units if not u.healthy]
                 if down:
@@ -352,7 +361,7 @@ class PluginServer:
     def _check_ids(self, ids, snap: Snapshot) -> Optional[str]:
         if not ids:
             return "no device IDs"
-        unknown = [i for i in ids if i not in snap.ids]
+        unknown = [i for i in ids if i not in snap.ids and self._sent.earlier(i, time.monotonic()) is None]
         if not unknown:
             return None
         named = ", ".join(_quote(i) for i in unknown[:_NAMED_IDS])

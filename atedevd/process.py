@@ -10,7 +10,7 @@ with sd_notify, the upgrade's channel and the metrics file; the simulation with 
 clock and its channel. `ACTIONS` lists them; a test holds both tables to it.
 """
 
-from typing import Callable, Dict, List, Optional, Tuple, Type, Union
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Type, Union
 
 from atedevd.handoff import (BecomeMain, Exit, MainPid, Message, Predecessor, Send, StopSuccessor, Successor,
                              UpgradeAction, UpgradePhase)
@@ -44,8 +44,15 @@ class ServingBegan(Record):
     """A resource began to be served: the daemon notes whether its directory is a mount."""
 
 
-ProcessAction = Union[StartWork, Status, Ready, WriteMetrics, ServingBegan, Send, StopSuccessor, MainPid, Exit,
-                      BecomeMain, Say]
+class WatchDirectories(Record):
+    """Watch these directories (they changed: a resource's links lead somewhere new, or the
+    configuration did)."""
+
+    directories: FrozenSet[str]
+
+
+ProcessAction = Union[StartWork, Status, Ready, WriteMetrics, ServingBegan, WatchDirectories, Send, StopSuccessor,
+                      MainPid, Exit, BecomeMain, Say]
 ACTIONS: Tuple[type, ...] = ProcessAction.__args__  # type: ignore[attr-defined]
 
 
@@ -112,6 +119,9 @@ class Process:
             self.host.cdi.retry(now)  # a CDI spec that could not be written
         if self.node.wake(now):
             self._out.append(ServingBegan())
+        dirs = self.node.directories_to_watch()
+        if dirs is not None:
+            self._out.append(WatchDirectories(dirs))
         due = self.start_work_due
         if due is not None and (now >= due or self.node.stopping or self.node.registers_sent()):
             self.start_work_due = None

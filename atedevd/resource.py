@@ -11,7 +11,7 @@ typed `Report`. `atedevd/node.py` tells it what happened.
 import itertools
 import os
 import threading
-from typing import Iterator, List, Optional
+from typing import FrozenSet, Iterator, List, Optional
 
 from atedevd import cdi_keeper, devices, sockets
 from atedevd.config import Device
@@ -26,30 +26,33 @@ from atedevd.registration.report import Report
 
 # A pattern's directory is listed when its events say a node may have come or gone, and at
 # least this often all the same (a look costs ~200 us for 64 nodes, a shareable node's 6 us,
-# looked at on every wake-up).
+# looked at on every wake-up): the loop wakes for it (Node.deadline), so that what no event
+# said (a lost one, a link's node changed before its directory was watched) is seen without a
+# wake-up for something else.
 PATTERN_LOOK_EVERY_S = 2.0
 
 
-def node_table(device: Device, dev_root: str, sys_root: str):
+def node_table(device: Device, dev_root: str, sys_root: str, claims=None):
     """The loop's record of one resource's nodes: one shareable node (`devices.SharedTable`),
     or a pattern's units (`patterns.ExclusiveTable`); both answer look(), snapshot(version),
-    forget(), listing(), `healthy` and `advertised`."""
+    forget(), recheck(rdev), directories(), served(), listing(), `healthy` and `advertised`.
+    `claims` (atedevd/claims.py): the other resources' reach, so that no node is two's."""
     if device.pattern:
         from atedevd import patterns  # only where some device has a pattern: a start without pays nothing
 
-        return patterns.ExclusiveTable(device, dev_root, sys_root)
-    return devices.SharedTable(device, dev_root, sys_root)
+        return patterns.ExclusiveTable(device, dev_root, sys_root, claims)
+    return devices.SharedTable(device, dev_root, sys_root, claims)
 
 
 class Resource:
     def __init__(self, device: Device, dev_root: str, sys_root: str, host, pod_resources, run_id: str,
-                 serve_failed, numbers: Optional[Iterator[int]] = None) -> None:
+                 serve_failed, numbers: Optional[Iterator[int]] = None, claims=None) -> None:
         self.device = device
         self.host = host
-        self.table = node_table(device, dev_root, sys_root)  # its nodes as last looked at
+        self.claims = claims
+        self.table = node_table(device, dev_root, sys_root, claims)  # its nodes as last looked at
         self.host_mode = HostMode(device, dev_root, sys_root, host.say)  # host_mode: its host nodes' mode kept
-        self.directories = frozenset(map(os.path.normpath, devices.directories(device, dev_root)))
-        self._looked_at: Optional[float] = None  # a pattern's: when, unless its directory has news
+        self._looked_at: Optional[float] = None  # when, unless its directories have news
         self.advertised = False  # once served, kept served (Unhealthy while the node is missing)
         self.stream_limit = STREAMS_PER_RESOURCE
         self.stream_slots = threading.BoundedSemaphore(STREAMS_PER_RESOURCE)  # shared by its sockets
@@ -109,16 +112,26 @@ class Resource:
 
     # --- the device's nodes ------------------------------------------------------------------
 
+    @property
+    def directories(self) -> FrozenSet[str]:
+        """Where events can change what it serves (its links' targets' directories included)."""
+        return self.table.directories()
+
+    @property
+    def look_due(self) -> float:
+        """When its nodes are looked at again, news or not (at once: news, or never looked at)."""
+        return -1.0 if self._looked_at is None else self._looked_at + PATTERN_LOOK_EVERY_S
+
     def nodes_may_have_changed(self) -> None:
-        """Its directories had events (or events were lost): look at its nodes at the next chance."""
+        """Its directories had events (or events were lost, or another resource reaches one of
+        its nodes now, or no longer): look at its nodes at the next chance."""
         self._looked_at = None
 
     def look_at_device(self, now: Optional[float], publish: bool = True) -> None:
         """Have its nodes come, gone or changed since the last look? Said, and published."""
-        if self.device.pattern:
-            if now is not None and self._looked_at is not None and now - self._looked_at < PATTERN_LOOK_EVERY_S:
-                return  # no news in its directory since
-            self._looked_at = now
+        if self.device.pattern and now is not None and now < self.look_due:  # (the deadline's own sum: no spin)
+            return  # no news in its directory since
+        self._looked_at = now
         changes, changed = self.table.look()
         self.host_mode.keep()  # host_mode: applied to nodes there now, again after any change
         for c in changes:
@@ -147,9 +160,8 @@ class Resource:
         it registers anew."""
         anew = plugin_options(device) != plugin_options(self.device)
         self.device = device
-        self.table = node_table(device, dev_root, sys_root)  # the nodes there now, judged afresh
+        self.table = node_table(device, dev_root, sys_root, self.claims)  # the nodes there now, judged afresh
         self.host_mode = HostMode(device, dev_root, sys_root, self.host.say)
-        self.directories = frozenset(map(os.path.normpath, devices.directories(device, dev_root)))
         self.look_at_device(None, publish=False)
         self.snapshot = self._new_snapshot()
         units, healthy = self.snapshot.units, self.snapshot.healthy_units

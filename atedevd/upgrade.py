@@ -2,9 +2,10 @@
 
 Is the atedevd installed on disk the one running? The package manager replaces our files
 while we run (each by a rename: a new inode), so the files' identities taken once the
-start is done tell. The successor is a fresh exec of the command line we were started
-with (gRPC objects do not survive a fork), in our own cgroup, so that systemd can make
-it the main process. It inherits the instance lock and one end of a socket pair, the
+start is done tell. The successor is a fresh exec of our interpreter, isolated, in `/`,
+running exactly the package we fingerprinted with our options (gRPC objects do not survive
+a fork; `_command_line` says why not our command line as it was), in our own cgroup, so
+that systemd can make it the main process. It inherits the instance lock and one end of a socket pair, the
 channel the two talk over; their numbers, and the resources we serve, are in its
 environment. Its first act is a fork, the parent half exiting at once, the other telling
 us its pid: the successor is then systemd's child, not ours, as a main process
@@ -208,13 +209,48 @@ def _receive(channel: socket.socket, told_pid=None) -> List[Optional[Message]]:
 
 
 def _command_line() -> List[str]:
-    """How this process was started (the interpreter, the script, `run` and its options):
-    the successor is started the same way, and loads the new code from disk."""
-    with open("/proc/self/cmdline", "rb") as f:
-        argv = [os.fsdecode(a) for a in f.read().split(b"\0")[:-1]]  # each ends in NUL; "" is an argument too
-    if not os.path.isabs(argv[0]):
-        argv[0] = sys.executable
-    return argv
+    """How the successor is started: this interpreter, isolated (-I: neither PYTHONPATH, the
+    user's site nor the working directory on its path), in `/`, with atedevd imported from
+    the package directory we fingerprinted (whatever else is on the path) and our search
+    path without the entries a start from some directory put there; then `run` and our
+    options (a relative --config made absolute). Started as `python3 -m atedevd` from a
+    directory a user can write, the successor would otherwise import that user's
+    `atedevd/` as root."""
+    boot = ("import os, sys; os.chdir('/'); sys.path[:] = {path!r}; sys.dont_write_bytecode = {nobytes!r}\n"
+            "import importlib.util\n"
+            "spec = importlib.util.spec_from_file_location('atedevd', {init!r}, submodule_search_locations=[{pkg!r}])\n"
+            "package = importlib.util.module_from_spec(spec); sys.modules['atedevd'] = package; spec.loader.exec_module(package)\n"
+            "from atedevd.launch import main\n"
+            "sys.exit(main(sys.argv[1:]))\n").format(
+        path=search_path(), nobytes=sys.dont_write_bytecode, init=os.path.join(PACKAGE_DIR, "__init__.py"), pkg=PACKAGE_DIR)
+    return [sys.executable, "-I", "-c", boot, *_absolute_config(sys.argv[1:])]
+
+
+def search_path(path: Optional[List[str]] = None, cwd: Optional[str] = None, script: Optional[str] = None) -> List[str]:
+    """Our module search path without what depends on where we were started: "" and
+    relative entries, the working directory (`python3 -m` puts it first) and the script's
+    own directory."""
+    path = sys.path if path is None else path
+    cwd = os.getcwd() if cwd is None else cwd
+    script = sys.argv[0] if script is None else script
+    unsafe = {os.path.realpath(cwd)}
+    if script and os.path.isfile(script):
+        unsafe.add(os.path.dirname(os.path.realpath(script)))
+    return [p for p in path if os.path.isabs(p) and os.path.realpath(p) not in unsafe]
+
+
+def _absolute_config(args: List[str]) -> List[str]:
+    """`run`'s arguments with a relative --config made absolute (the successor runs in `/`);
+    every other path option must be absolute already (the configuration's check)."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg.startswith("--config="):
+            value = arg[len("--config="):]
+            if value and not os.path.isabs(value):
+                out[i] = "--config=" + os.path.join(os.getcwd(), value)
+        elif arg == "--config" and i + 1 < len(out) and out[i + 1] and not os.path.isabs(out[i + 1]):
+            out[i + 1] = os.path.join(os.getcwd(), out[i + 1])
+    return out
 
 
 def _said(status: int) -> str:

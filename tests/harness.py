@@ -133,7 +133,8 @@ class Daemon:
     """One `atedevd run` process with its own notify socket, runtime dir and log file."""
 
     def __init__(self, workdir: str, plugin_dir: str, dev_root: str, config: Optional[str] = None,
-                 extra_args=(), env=None, log_level: str = "info", metrics_dir: str = "", launcher=("-m", "atedevd")):
+                 extra_args=(), env=None, log_level: str = "info", metrics_dir: str = "", launcher=("-m", "atedevd"),
+                 cwd: str = REPO):
         self.workdir = workdir
         self.plugin_dir = plugin_dir
         os.makedirs(workdir, exist_ok=True)
@@ -160,7 +161,7 @@ class Daemon:
         full_env.update(env or {})
         self._log = open(self.log_path, "wb")
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(args, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, cwd=cwd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
         self.pid = self.proc.pid
 
     @property

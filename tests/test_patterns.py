@@ -142,15 +142,27 @@ def test_a_refused_companion_fails_the_configuration_a_refused_match_does_not(tm
 
 
 @needs_root
-def test_a_node_a_pattern_hands_out_must_be_no_other_devices(tmp_path):
+def test_a_node_a_pattern_hands_out_and_another_device_reaches_is_named_not_a_configuration_error(tmp_path):
+    """Which nodes two entries share depends on what udev made: the daemon serves neither
+    (atedevd/claims.py) and `check-config` says so, at start as later; it is no reason to
+    refuse the configuration (a node plugged in while the daemon ran would refuse its next start)."""
     dev = tmp_path / "dev"
     mknod(dev, "ttyUSB0", 188, 0)
+    mknod(dev, "ttyUSB1", 188, 1)
     os.symlink("ttyUSB0", dev / "gps")
-    errs = errors(tmp_path, '[[device]]\nresource = "a.dev/serial"\npath = "/dev/ttyUSB*"\n'
-                            '[[device]]\nresource = "a.dev/gps"\npath = "/dev/gps"\n', dev_root=dev)
-    assert len(errs) == 1, errs
-    assert ('[[device]] #1 path: "/dev/ttyUSB*" matches /dev/ttyUSB0 (char 188:0), which [[device]] #2 (a.dev/gps) '
-            "grants too as /dev/gps") in errs[0]
+    cfg = load(tmp_path, '[[device]]\nresource = "a.dev/serial"\npath = "/dev/ttyUSB*"\n'
+                         '[[device]]\nresource = "a.dev/gps"\npath = "/dev/gps"\n', dev_root=dev)
+    out = io.StringIO()
+    assert check.check_config(cfg.source, out, required=True) == 0
+    assert (f"WARNING: a.dev/serial: /dev/ttyUSB* matches {dev}/ttyUSB0 (188:0), not advertised: claimed: a.dev/gps "
+            "reaches it too, as /dev/gps") in out.getvalue(), out.getvalue()
+    rows = {n["path"]: n for n in check.node_rows(cfg, cfg.devices[0])}
+    assert rows["/dev/ttyUSB1"]["state"] == "ok" and rows["/dev/ttyUSB1"]["id"] == "ttyUSB1"
+    assert rows["/dev/ttyUSB0"]["role"] == "match" and rows["/dev/ttyUSB0"]["id"] is None
+    [gps] = check.node_rows(cfg, cfg.devices[1])
+    assert gps["state"] == "claimed: a.dev/serial reaches it too, as /dev/ttyUSB0", gps
+    problems = [f.message for f in check.collect(cfg, lambda: None).problems if f.check == "device"]
+    assert f"{dev}/gps: claimed: a.dev/serial reaches it too, as /dev/ttyUSB0" in problems, problems  # NOT READY
 
 
 # --- the trust check -------------------------------------------------------------------------
@@ -196,6 +208,33 @@ def test_owned_by_someone_else_is_not_trusted_even_in_a_sticky_directory(tmp_pat
     (real / "c.toml").write_text("")
     os.symlink(real / "c.toml", tmp_path / "via-link.toml")  # the path as given is fine, the file's directory is not
     assert any(p.startswith(f"{real} is owned by 4242") for p in trust.problems(str(tmp_path / "via-link.toml")))
+
+
+@needs_root
+def test_the_walk_is_the_kernels_every_link_on_the_way_and_dot_dot_on_the_disk(tmp_path, monkeypatch):
+    """A root-owned file reached through a link in a directory someone else owns is that
+    someone's to choose; `..` after a link is the parent of where the link led."""
+    os.chmod(tmp_path, 0o755)
+    (tmp_path / "etc").mkdir(mode=0o755)
+    (tmp_path / "etc" / "real.toml").write_text("")
+    user = tmp_path / "user"
+    user.mkdir(mode=0o755)
+    os.symlink(tmp_path / "etc" / "real.toml", user / "link.toml")
+    os.chown(user, 4242, 4242)
+    os.symlink(user / "link.toml", tmp_path / "etc" / "config.toml")
+    assert trust.problems(str(tmp_path / "etc" / "real.toml")) == []
+    assert trust.problems(str(tmp_path / "etc" / "config.toml")) == [
+        f"{user} is owned by 4242 (owner 4242:4242, mode 0755), not root: chown root {user}"]
+    os.symlink("../user/deep", tmp_path / "etc" / "sub")
+    os.symlink(tmp_path / "etc", user / "deep")  # sub/.. is walked through user/, not etc/config.toml
+    (user / "config.toml").write_text("")
+    problems = trust.problems(str(tmp_path / "etc" / "sub" / ".." / "config.toml"))
+    assert problems[0] == f"{user} is owned by 4242 (owner 4242:4242, mode 0755), not root: chown root {user}"
+    monkeypatch.chdir(tmp_path / "etc")
+    assert trust.problems("config.toml") == trust.problems(str(tmp_path / "etc" / "config.toml"))  # relative: from the cwd
+    loop = tmp_path / "etc" / "loop"
+    os.symlink(loop, loop)
+    assert trust.problems(str(loop)) == [f"{loop}: more than {trust.MAX_LINKS} symlinks on the way"]
 
 
 def test_an_untrusted_file_is_a_configuration_error_with_every_other_problem(tmp_path):

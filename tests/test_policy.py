@@ -41,6 +41,8 @@ REFUSED = [
     ("a watchdog", "char", 10, 130, "misc", "watchdog"),
     ("a watchdog", "char", 247, 0, "watchdog", "watchdog0"),
     ("user-level input", "char", 10, 223, "misc", "uinput"),
+    ("user-level HID", "char", 10, 239, "misc", "uhid"),
+    ("a user-level serio port", "char", 10, 240, "misc", "userio"),
     ("a virtual console", "char", 4, 1, "tty", "tty1"),
     ("a virtual console", "char", 5, 1, "tty", "console"),
     ("virtual console memory", "char", 7, 1, "vc", "vcs1"),
@@ -51,6 +53,7 @@ REFUSED = [
     ("an I2C/SMBus adapter", "char", 89, 0, "i2c-dev", "i2c-0"),
     ("CUSE", "char", 10, 203, "misc", "cuse"),
     ("a VFIO group without an IOMMU", "char", 243, 0, "vfio", "vfio/noiommu-0"),
+    ("a VFIO device without an IOMMU", "char", 511, 0, "vfio-dev", "vfio/devices/noiommu-vfio0"),
     ("the crash driver", "char", 10, 60, "misc", "crash"),
     ("Xen privileged commands", "char", 10, 61, "misc", "xen/privcmd"),
     ("the EFI capsule loader", "char", 10, 62, "misc", "efi_capsule_loader"),
@@ -65,6 +68,7 @@ ALLOWED = [
     ("vhost-vsock", "char", 10, 241, "misc", "vhost-vsock"),
     ("the VFIO container", "char", 10, 196, "misc", "vfio/vfio"),
     ("a VFIO group behind an IOMMU", "char", 243, 1, "vfio", "vfio/12"),
+    ("a VFIO device behind an IOMMU (the iommufd cdev)", "char", 511, 1, "vfio-dev", "vfio/devices/vfio1"),
     ("hpet (the driver refuses write opens)", "char", 10, 228, "misc", "hpet"),
     ("cpu_dma_latency", "char", 10, 59, "misc", "cpu_dma_latency"),
     ("null", "char", 1, 3, "mem", "null"),
@@ -95,7 +99,7 @@ def test_fixed_numbers_are_refused_without_sysfs_and_boot_numbers_are_not(what, 
     somewhere, a container's /sys) is still refused; numbers the kernel gives out at
     boot mean nothing without sysfs."""
     found = policy.judge(node(kind, major, minor))
-    fixed = cls not in ("bsg", "nvme", "nvme-generic", "ipmi", "vfio", "watchdog", "tpmrm") and name not in (
+    fixed = cls not in ("bsg", "nvme", "nvme-generic", "ipmi", "vfio", "vfio-dev", "watchdog", "tpmrm") and name not in (
         "crash", "xen/privcmd", "efi_capsule_loader")
     if fixed:
         assert found is not None and found.rule.what.startswith(what), found

@@ -207,3 +207,27 @@ def test_a_successor_that_hung_up_before_it_forked_is_named_by_its_exit_status()
     assert child.ended() is None  # still exiting: its status is not there yet
     assert child.ended(wait_s=2.0) == "exited with status 3" and child.spawned is None
     ours.close()
+
+
+def test_the_successors_search_path_and_arguments_depend_on_nothing_where_we_were_started(tmp_path, monkeypatch):
+    """The working directory (what `python3 -m` puts first), the script's directory, "" and
+    relative entries are left out; a relative --config is made absolute (the successor runs in /)."""
+    from atedevd import upgrade
+
+    script = tmp_path / "bin" / "atedevd"
+    script.parent.mkdir()
+    script.write_text("")
+    work = tmp_path / "work"
+    work.mkdir()
+    path = [str(work), "", "relative", str(tmp_path / "bin"), "/usr/lib/python3/dist-packages", REPO]
+    assert upgrade.search_path(path, cwd=str(work), script=str(script)) == ["/usr/lib/python3/dist-packages", REPO]
+    monkeypatch.chdir(work)
+    assert upgrade._absolute_config(["run", "--config", "c.toml", "--log-level", "debug"]) == [
+        "run", "--config", f"{work}/c.toml", "--log-level", "debug"]
+    assert upgrade._absolute_config(["run", "--config=c.toml", "--dev-root", "/dev"]) == [
+        "run", f"--config={work}/c.toml", "--dev-root", "/dev"]
+    assert upgrade._absolute_config(["run", "--config", "/etc/atedevd/config.toml"]) == [
+        "run", "--config", "/etc/atedevd/config.toml"]
+    argv = upgrade._command_line()
+    assert argv[:3] == [sys.executable, "-I", "-c"] and f"{upgrade.PACKAGE_DIR}/__init__.py" in argv[3]
+    assert "os.chdir('/')" in argv[3]

@@ -24,7 +24,7 @@ from atedevd import cdi_files, cdi_keeper, metrics
 from atedevd.config import Config, Device
 from atedevd.handoff import BecomeMain, Exit, MainPid, Message, Send, StopSuccessor, UpgradePhase
 from atedevd.node import Node
-from atedevd.process import Process, Ready, ServingBegan, StartWork, Status, WriteMetrics
+from atedevd.process import Process, Ready, ServingBegan, StartWork, Status, WatchDirectories, WriteMetrics
 from atedevd.registration.messages import Say, State
 from atedevd.watch import Event
 from tests.simulation.host import KUBELET_SOCK, PLUGIN_DIR, SimHost, SimServer
@@ -477,6 +477,9 @@ class AtedevdProcess:
     def _serving_began(self, a: ServingBegan) -> None:
         pass  # no sandbox here: the plugin directory is never a mount of its own
 
+    def _watch(self, a: WatchDirectories) -> None:
+        pass  # the world's directories tell every process (tests/simulation: Directory, and the scenarios)
+
     def _send(self, a: Send) -> None:
         other = self.child if self.process.predecessor is not None else self.parent
         if other is not None and other.alive:
@@ -516,6 +519,7 @@ class AtedevdProcess:
 _DO: Dict[type, Callable] = {
     StartWork: AtedevdProcess._start_work, Status: AtedevdProcess._status, Ready: AtedevdProcess._ready,
     WriteMetrics: AtedevdProcess._write_metrics, ServingBegan: AtedevdProcess._serving_began,
+    WatchDirectories: AtedevdProcess._watch,
     Send: AtedevdProcess._send, StopSuccessor: AtedevdProcess._stop_successor, MainPid: AtedevdProcess._main_pid,
     Exit: AtedevdProcess._exit, BecomeMain: AtedevdProcess._become_main, Say: AtedevdProcess._say,
 }
