@@ -24,12 +24,12 @@ from atedevd.registration.moves import SERVED
 from atedevd.registration.messages import State, Timer
 from atedevd.registration.report import Report
 
-# A pattern's directory is listed when its events say a node may have come or gone, and at
-# least this often all the same (a look costs ~200 us for 64 nodes, a shareable node's 6 us,
-# looked at on every wake-up): the loop wakes for it (Node.deadline), so that what no event
-# said (a lost one, a link's node changed before its directory was watched) is seen without a
-# wake-up for something else.
-PATTERN_LOOK_EVERY_S = 2.0
+# A resource's nodes are looked at when events in their directories say one may have come,
+# gone or changed, and at least this often all the same (a look costs ~200 us for a pattern
+# of 64 nodes, 6 us for a shareable node): the loop wakes for it (Node.deadline), so that what
+# no event said (a lost one, a link's node changed before its directory was watched) is seen
+# without a wake-up for something else, and no wake-up for something else looks again.
+LOOK_EVERY_S = 2.0
 
 
 def node_table(device: Device, dev_root: str, sys_root: str, claims=None):
@@ -120,7 +120,7 @@ class Resource:
     @property
     def look_due(self) -> float:
         """When its nodes are looked at again, news or not (at once: news, or never looked at)."""
-        return -1.0 if self._looked_at is None else self._looked_at + PATTERN_LOOK_EVERY_S
+        return -1.0 if self._looked_at is None else self._looked_at + LOOK_EVERY_S
 
     def nodes_may_have_changed(self) -> None:
         """Its directories had events (or events were lost, or another resource reaches one of
@@ -129,8 +129,8 @@ class Resource:
 
     def look_at_device(self, now: Optional[float], publish: bool = True) -> None:
         """Have its nodes come, gone or changed since the last look? Said, and published."""
-        if self.device.pattern and now is not None and now < self.look_due:  # (the deadline's own sum: no spin)
-            return  # no news in its directory since
+        if now is not None and now < self.look_due:  # (the deadline's own sum: no spin)
+            return  # no news in its directories since
         self._looked_at = now
         changes, changed = self.table.look()
         self.host_mode.keep()  # host_mode: applied to nodes there now, again after any change

@@ -10,12 +10,14 @@ simulation: no root needed. /dev/kmsg is the refused one."""
 import os
 import random
 
+import inotify.constants as ic
 import pytest
 
 from atedevd import claims as claims_mod
 from atedevd import invariants
 from atedevd.config import Device
 from atedevd.resource import node_table
+from atedevd.watch import Event
 
 # Character devices every Linux host has, each its own numbers; /dev/mem is refused by the policy.
 NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
@@ -274,7 +276,7 @@ class _Host:
 def test_a_daemons_node_looks_at_its_nodes_on_a_deadline_of_its_own_and_watches_where_links_lead(tmp_path):
     """What the simulation does after each event: Invariants().check(node) on the daemon's own Node."""
     from atedevd.node import Node
-    from atedevd.resource import PATTERN_LOOK_EVERY_S
+    from atedevd.resource import LOOK_EVERY_S
 
     link(tmp_path, "ttyUSB0", "/dev/null")
     link(tmp_path, "serial/by-id/usb-gps", "../../ttyUSB0")
@@ -286,7 +288,7 @@ def test_a_daemons_node_looks_at_its_nodes_on_a_deadline_of_its_own_and_watches_
     assert node.directories_to_watch() is None  # (asked again: nothing new)
     node.wake(100.0)
     assert check.check(node) == []
-    assert node.deadline() == 100.0 + PATTERN_LOOK_EVERY_S  # the look's own (nothing is served: nothing else is due)
+    assert node.deadline() == 100.0 + LOOK_EVERY_S  # the look's own (nothing is served: nothing else is due)
     serial = node.resources["a.dev/serial"]
     assert [u.healthy for u in serial.snapshot.by_id.values()] == [True]
     link(tmp_path, "ttyUSB0", REFUSED)  # its node made anew, and no event told
@@ -297,10 +299,9 @@ def test_a_daemons_node_looks_at_its_nodes_on_a_deadline_of_its_own_and_watches_
     assert check.check(node) == [] and [u.healthy for u in serial.snapshot.by_id.values()] == [False]
     link(tmp_path, "kvm", "ttyUSB0")  # now the shareable path reaches a node the pattern hands out ...
     link(tmp_path, "ttyUSB0", "/dev/zero")
+    node.on_directory_events([Event(str(tmp_path), name, ic.IN_CREATE) for name in ("kvm", "ttyUSB0")], 103.0)
     node.wake(103.0)
-    assert not node.resources["a.dev/kvm"].snapshot.healthy and not serial.snapshot.healthy
-    assert node.deadline() < 103.0  # ... and the pattern's resource, told, looks again at once
-    node.wake(103.0)
+    assert not node.resources["a.dev/kvm"].snapshot.healthy and not serial.snapshot.healthy  # ... each told by the events
     assert check.check(node) == []
     assert [r.state for r in serial.table.listing()] == ["claimed: a.dev/kvm reaches it too, as /dev/kvm"]
     node.begin_stop(104.0)

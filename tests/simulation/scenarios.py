@@ -258,11 +258,11 @@ def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep:
     w.trace = keep
     w.kubelet.start()
     w.after(w.rng.uniform(0, 0.5), w.start_daemon)
-    w.run_until(FIRST_S)
+    w.run_until(FIRST_S, settled=lambda: not end_state(w))
     problems = [f"before the scenario: {p}" for p in end_state(w)]
     if not problems:
         SCENARIOS[scenario](w)
-        w.run_until(w.now + SETTLE_S)
+        w.run_until(w.now + SETTLE_S, settled=lambda: not end_state(w))
         problems = end_state(w)
     w.close()
     history = [f"{t:10.4f} {lvl or '':>2} {kind}: {text}" for t, lvl, kind, text in w.said] if keep else []

@@ -115,13 +115,20 @@ class World:
         self._seq += 1
         heapq.heappush(self._q, (self.now + delay, self._seq, fn, args))
 
-    def run_until(self, t: float) -> None:
+    def run_until(self, t: float, settled: Optional[Callable[[], bool]] = None) -> None:
+        """Every event due by `t`; with `settled`, stop sooner once nothing can change any more
+        (nothing is queued but atedevd's own wake-ups, and each process's timers are only the
+        periodic ones) and `settled()` holds: from there on only the look at the nodes and
+        kubelet's count come, which find what is there, and the end state is what it is now."""
         q = self._q
         while q and q[0][0] <= t:
             at, _, fn, args = heapq.heappop(q)
             self.now = at
             self.events += 1
             fn(*args)
+            if settled is not None and all(e[2].__func__ is AtedevdProcess._tick for e in q if hasattr(e[2], "__func__")) \
+                    and all(hasattr(e[2], "__func__") for e in q) and all(d.idle() for d in self.processes) and settled():
+                return
         self.now = max(self.now, t)
 
     def check_cdi(self) -> None:
@@ -505,6 +512,20 @@ class AtedevdProcess:
         self.host.say(a.level, a.kind, a.text)
 
     # --- for the checks ---------------------------------------------------------------------
+
+    def idle(self) -> bool:
+        """Nothing of its own is due but the periodic timers (the look at its nodes, kubelet's
+        count): no upgrade, no deferred start work, no retry, wait, question or warning."""
+        p = self.process
+        if p.start_work_due is not None or p.predecessor is not None or p.successor is not None \
+                or self.node.pod_resources.deadline is not None:
+            return False
+        for r in self.node.all_resources():
+            m = r.machine  # (its parts, as a test reads them)
+            if any(t is not None for t in (m.attempts.deadline, m.attempts.verify_by, m.book.deadline, m.moves.serve_at,
+                                           m.handover.deadline, m.questions.deadline, m.tally.deadline)):
+                return False
+        return True
 
     def state(self, resource: str = RESOURCE) -> State:
         return self.node.resources[resource].state
