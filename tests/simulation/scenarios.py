@@ -207,6 +207,17 @@ def sighup_resource_removed_and_back(w: World) -> None:
         _kubelet_restart(w, 0.2)
 
 
+def udev_storm(w: World) -> None:
+    """udev at work (tests/simulation/udev.py) while resources overlap: nodes plugged,
+    unplugged and made anew (other numbers, or refused), by-id links made, retargeted and
+    removed, the shareable link moved onto a unit's node and off, reloads racing an unplug
+    and reloads that add or drop an overlapping resource; three to eight of them in 3 s.
+    After every event a daemon takes, no node is Healthy in two resources, no Healthy unit
+    lacks its node as first served, and no ID means two paths."""
+    for _ in range(w.rng.randint(3, 8)):
+        w.after(w.rng.uniform(0, 3.0), w.udev.act)
+
+
 def kubelet_restart_during_daemon_restart(w: World) -> None:
     w.after(w.rng.uniform(0, 1.0), w.restart_daemon, w.rng.choice(("sigterm", "kill")))
     _kubelet_restart(w, 0.2)
@@ -231,7 +242,9 @@ SCENARIOS: Dict[str, Callable[[World], None]] = {
     "plugin-dir-removed": plugin_dir_removed,
     "kubelet-gone-a-while": kubelet_gone_a_while,
     "sighup-resource-removed-and-back": sighup_resource_removed_and_back,
+    "udev-storm": udev_storm,
 }
+UDEV = {"udev-storm"}  # scenarios whose world has udev's dev root and the overlapping resources
 
 
 def end_state(w: World) -> List[str]:
@@ -239,11 +252,15 @@ def end_state(w: World) -> List[str]:
     problems = []
     if d is None or not d.alive:
         return ["the daemon is not running"]
-    for resource, expected in ((RESOURCE, w.count), (PATTERN_RESOURCE, UNITS)):
+    if w.udev is None:
+        expected = {RESOURCE: w.count, PATTERN_RESOURCE: UNITS}
+    else:  # what the daemon serves now (its nodes change): kubelet must count all it has Healthy
+        expected = {n: r.snapshot.healthy_units for n, r in d.node.resources.items() if r.advertised}
+    for resource, count in expected.items():
         if d.state(resource) is not State.REGISTERED:
             problems.append(f"{resource}: the daemon is {d.state(resource).value}, not registered")
-        problems += [f"{resource}: {p}" for p in w.kubelet.problems(resource, expected, d.current_socket(resource))]
-    return problems + [p for check in w.checks for p in check()] + w.cdi_problems
+        problems += [f"{resource}: {p}" for p in w.kubelet.problems(resource, count, d.current_socket(resource))]
+    return problems + [p for check in w.checks for p in check()] + w.cdi_problems + w.invariant_problems
 
 
 def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep: bool = False,
@@ -254,7 +271,7 @@ def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep:
     if fixed_wait is not None:
         handover.FIXED_WAIT_S = fixed_wait
     w = World(seed, mode, max_delay=max_delay, pod_resources=pod_resources, connections_visible=connections_visible,
-              agent_rps=agent_rps)
+              agent_rps=agent_rps, udev=scenario in UDEV)
     w.trace = keep
     w.kubelet.start()
     w.after(w.rng.uniform(0, 0.5), w.start_daemon)

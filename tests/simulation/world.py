@@ -23,12 +23,14 @@ import inotify.constants as ic
 from atedevd import cdi_files, cdi_keeper, metrics
 from atedevd.config import Config, Device
 from atedevd.handoff import BecomeMain, Exit, MainPid, Message, Send, StopSuccessor, UpgradePhase
+from atedevd.invariants import Invariants
 from atedevd.node import Node
 from atedevd.process import Process, Ready, ServingBegan, StartWork, Status, WatchDirectories, WriteMetrics
 from atedevd.registration.messages import Say, State
 from atedevd.watch import Event
 from tests.simulation.host import KUBELET_SOCK, PLUGIN_DIR, SimHost, SimServer
 from tests.simulation.kubelet import KubeletModel
+from tests.simulation.udev import Udev
 
 RESOURCE = "ate.dev/kvm"
 # A pattern resource beside it: one exclusive unit per node matching PATTERN.
@@ -68,7 +70,7 @@ _MASKS = {"create": ic.IN_CREATE, "delete": ic.IN_DELETE, "moved_to": ic.IN_MOVE
 
 class World:
     def __init__(self, seed: int, mode: str, max_delay: float = 1.0, pod_resources: bool = True, count: int = 1024,
-                 connections_visible: bool = True, agent_rps: float = 80.0):
+                 connections_visible: bool = True, agent_rps: float = 80.0, udev: bool = False):
         self.rng = random.Random(seed)
         self.seed = seed
         self.now = 0.0
@@ -79,7 +81,12 @@ class World:
         self.kubelet = KubeletModel(self, mode, pod_resources, agent_rps)
         self.count = count
         self.connections_visible = connections_visible
-        self.dev_root = dev_root()  # every unit plugged in
+        # The nodes: links, in a dev root, to character devices every machine has. With `udev`
+        # (tests/simulation/udev.py), a dev root of the round's own that the scenario changes
+        # as udev does, and resources whose paths overlap; else the process's, unchanged but
+        # for a unit unplugged and put back.
+        self.udev = Udev(self) if udev else None
+        self.dev_root = self.udev.root if self.udev else dev_root()
         self.checks: list = []  # a scenario's own end-state checks: each returns problems
         self.orphaned: set = set()  # sockets named in a Register that was in flight when its daemon was killed
         self.daemon: Optional["AtedevdProcess"] = None  # systemd's main process
@@ -94,6 +101,7 @@ class World:
         # killed daemon's until the next start has written its own.
         self.cdi_dir = tempfile.mkdtemp(prefix="atedevd-sim-cdi-", dir=_SCRATCH)
         self.cdi_problems: List[str] = []
+        self.invariant_problems: List[str] = []
         self._killed_owed: set = set()  # a killed daemon's names, until a start has written its specs
         self._cdi_seen: Optional[tuple] = None
         self._resolvable: set = set()
@@ -156,6 +164,8 @@ class World:
 
     def close(self) -> None:
         shutil.rmtree(self.cdi_dir, ignore_errors=True)
+        if self.udev is not None:
+            self.udev.close()
 
     # --- atedevd's process ---------------------------------------------------------
 
@@ -332,6 +342,9 @@ class AtedevdProcess:
         self.status = ""  # STATUS=, as it would be sent
         self.metrics_due = 0  # times the metrics would have been written
         self.handed_over = False
+        self.udev_pending = 0  # batches of device events on their way to it (the udev model's)
+        self.invariants = Invariants()  # what kubelet is told, held against the node (atedevd/invariants.py)
+        self._judged: Optional[tuple] = None
         self.started_work = False
 
     @property
@@ -340,7 +353,8 @@ class AtedevdProcess:
 
     def devices(self, count: int) -> List[Device]:
         shared = Device(RESOURCE, "/dev/null", count)
-        return [shared, Device(PATTERN_RESOURCE, PATTERN)] if self.pattern else [shared]
+        devices = [shared, Device(PATTERN_RESOURCE, PATTERN)] if self.pattern else [shared]
+        return devices + (self.w.udev.devices(self.pattern) if self.w.udev is not None else [])
 
     def servers(self) -> List[SimServer]:
         return [s for r in self.node.all_resources() for s in r.performer.servers.values()]
@@ -423,6 +437,11 @@ class AtedevdProcess:
             self.node.on_directory_events(batch, self.w.now)
             self.woke()
 
+    def device_events(self, batch: List[Event]) -> None:
+        """inotify's events from the nodes' directories (the udev model's), read a while after."""
+        self.udev_pending -= 1
+        self.fs_events(batch)
+
     def woke(self) -> None:
         """What the loop does after each wake-up: the process's glue, its actions; exit once stopped."""
         if not self.alive:
@@ -431,6 +450,22 @@ class AtedevdProcess:
             self._woke()
         finally:
             self.w.check_cdi()
+            if self.w.udev is not None:
+                self.check_invariants()
+
+    def check_invariants(self) -> None:
+        """The runtime invariants, after every event it takes, while no device event is still
+        on its way to it (until inotify tells, a node gone is rightly still served): looked at
+        again only when what it publishes or the nodes changed since."""
+        if not self.alive or self.node.stopping or self.udev_pending:
+            return
+        seen = (self.w.udev.changes, tuple((n, r.snapshot.version) for n, r in self.node.resources.items()))
+        if seen == self._judged:
+            return
+        self._judged = seen
+        for problem in self.invariants.check(self.node, self.w.udev.observe):
+            if len(self.w.invariant_problems) < 3:
+                self.w.invariant_problems.append(f"at {self.w.now:.4f}, daemon#{self.n}: {problem}")
 
     def _woke(self) -> None:
         for a in self.process.wake(self.w.now):
