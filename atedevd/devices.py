@@ -443,14 +443,30 @@ def placement(node: policy.Node, sys_root: str = policy.SYS_ROOT) -> Tuple[Tuple
             return (), ()
         numa = {_read_numa(os.path.join(group, addr, "numa_node")) for addr in pci}
         return tuple(sorted(n for n in numa if n is not None)), pci
+    entry = os.path.join(sys_root, "dev", node.kind, f"{node.major}:{node.minor}")
+    key = (entry, policy.device_of(entry))  # read once per device entry, as its class is (policy.py)
+    found = _PLACED.get(key)
+    if found is None:
+        found = _numa_of(sys_root, entry)
+        if key[1] is not None:
+            if len(_PLACED) >= 4096:
+                _PLACED.clear()
+            _PLACED[key] = found
+    return found, ()
+
+
+_PLACED: Dict[Tuple[str, Optional[str]], Tuple[int, ...]] = {}
+
+
+def _numa_of(sys_root: str, entry: str) -> Tuple[int, ...]:
     devices = os.path.join(sys_root, "devices")
-    here = os.path.realpath(os.path.join(sys_root, "dev", node.kind, f"{node.major}:{node.minor}", "device"))
+    here = os.path.realpath(os.path.join(entry, "device"))
     while here.startswith(devices + "/"):
         n = _read_numa(os.path.join(here, "numa_node"))
         if n is not None or os.path.exists(os.path.join(here, "numa_node")):
-            return ((n,) if n is not None else ()), ()
+            return (n,) if n is not None else ()
         here = os.path.dirname(here)
-    return (), ()
+    return ()
 
 
 def _read_numa(path: str) -> Optional[int]:

@@ -19,7 +19,7 @@ a test keeps the two in step.
 
 import os
 import stat
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from atedevd.record import Record
 
@@ -191,8 +191,35 @@ def look(path: str, sys_root: str = SYS_ROOT) -> Optional[Node]:
 
 
 def _sysfs(sys_root: str, kind: str, major: int, minor: int) -> Tuple[Optional[str], Optional[str]]:
-    """(class, kernel name) of a node from /sys/dev/<kind>/MAJ:MIN; (None, None) when sysfs does not say."""
+    """(class, kernel name) of a node from /sys/dev/<kind>/MAJ:MIN; (None, None) when sysfs does
+    not say. Read once per device: /sys/dev/<kind>/MAJ:MIN links to the device's own entry,
+    whose class and kernel name do not change while it is there, and a device that takes the
+    numbers next is at another entry (a hot-plug judges dozens of nodes; ~40 us a read)."""
     entry = os.path.join(sys_root, "dev", kind, f"{major}:{minor}")
+    key = (entry, device_of(entry))
+    found = _SEEN.get(key) if key[1] is not None else None
+    if found is None:
+        found = _read_sysfs(entry)
+        if key[1] is not None and None not in found:  # (what could not be read is read again next time)
+            if len(_SEEN) >= _SEEN_MAX:
+                _SEEN.clear()
+            _SEEN[key] = found
+    return found
+
+
+_SEEN: Dict[Tuple[str, Optional[str]], Tuple[Optional[str], Optional[str]]] = {}  # (entry, its device) -> _read_sysfs
+_SEEN_MAX = 4096
+
+
+def device_of(entry: str) -> Optional[str]:
+    """The device entry /sys/dev/<kind>/MAJ:MIN links to (None: not a link, or nothing there)."""
+    try:
+        return os.readlink(entry)
+    except OSError:
+        return None
+
+
+def _read_sysfs(entry: str) -> Tuple[Optional[str], Optional[str]]:
     try:
         subsystem = os.path.basename(os.readlink(os.path.join(entry, "subsystem")))
     except OSError:

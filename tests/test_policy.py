@@ -168,6 +168,22 @@ def test_look_follows_symlinks_and_reads_the_kernels_account(tmp_path):
 
 
 @needs_root
+def test_sysfs_is_read_once_per_device_and_again_when_another_device_has_the_numbers(tmp_path):
+    """The class and kernel name are remembered per device entry: a device that takes the same
+    numbers next (a hot-plug) is at another entry of sysfs, and is judged by its own."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    os.mknod(dev / "thing", stat.S_IFCHR | 0o600, os.makedev(240, 7))
+    sys_root = fake_sysfs(str(tmp_path / "sys"), "char", 240, 7, "tty", "ttyUSB7")
+    assert policy.refusal(str(dev / "thing"), sys_root) is None
+    os.unlink(os.path.join(sys_root, "dev", "char", "240:7"))  # unplugged: another device takes 240:7
+    fake_sysfs(sys_root, "char", 240, 7, "misc", "uinput")
+    found = policy.refusal(str(dev / "thing"), sys_root)
+    assert found is not None and "uinput" in found.node.describe()
+    assert policy.look(str(dev / "thing"), sys_root).subsystem == "misc"
+
+
+@needs_root
 def test_look_at_what_is_not_a_node(tmp_path):
     (tmp_path / "file").write_text("")
     assert policy.look(str(tmp_path / "file")) is None
