@@ -86,7 +86,7 @@ class Locked:
 
     def write(self, name: str, doc: dict) -> int:
         """Replace `name` with `doc` atomically; the new file's inode."""
-        data = (json.dumps(doc, indent=1) + "\n").encode()
+        data = (json.dumps(doc, separators=(",", ":")) + "\n").encode()  # (compact: the C encoder; indent is Python's)
         tmp = f"{_TMP_PREFIX}{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, SPEC_FILE_MODE,
                      dir_fd=self.fd)
