@@ -21,7 +21,7 @@ import socket
 import stat
 import subprocess
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from atedevd import config, metrics, sockets
 from atedevd.config import Config, ConfigError, Device
@@ -77,8 +77,8 @@ class Report:
         return f
 
 
-def run(cfg: Config, out: TextIO, unit: Callable[[], Optional[Dict[str, str]]] = None, as_json: bool = False,
-        runtimes: Callable[[], list] = None) -> int:
+def run(cfg: Config, out: TextIO, unit: Optional[Callable[[], Optional[Dict[str, str]]]] = None, as_json: bool = False,
+        runtimes: Optional[Callable[[], list]] = None) -> int:
     """Print the node's readiness (a table, or JSON) to `out`; return EX_READY or EX_NOT_READY.
 
     `unit` returns atedevd.service's sandbox properties (None: not loaded); by
@@ -93,7 +93,7 @@ def run(cfg: Config, out: TextIO, unit: Callable[[], Optional[Dict[str, str]]] =
     return report.exit_code
 
 
-def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]], runtimes: Callable[[], list] = None) -> Report:
+def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]], runtimes: Optional[Callable[[], list]] = None) -> Report:
     """Look at the node: every finding as data."""
     from atedevd import pod_checks, runtimes as runtime_files  # only for `check`
 
@@ -133,7 +133,7 @@ def _check_device(cfg: Config, dev: Device, report: Report) -> None:
         return
     host = dev.host_path(cfg.dev_root)
     present, what, ok = device_state(host)
-    row = {"resource": dev.resource, "path": dev.path, "host_path": host, "present": present == "yes",
+    row: Dict[str, Any] = {"resource": dev.resource, "path": dev.path, "host_path": host, "present": present == "yes",
            "type": what, "units": dev.count, "unit_ids": _units(dev), "device_number": None,
            "uid": None, "gid": None, "owner": None, "mode": None, "non_root": None, "char_link": None,
            "nodes": node_rows(cfg, dev)}
@@ -234,10 +234,10 @@ def render_text(report: Report, out: TextIO) -> None:
     if view.get("counts") is None:
         out.write(f"kubelet's view: {view['note']}; not shown\n\n")
     else:
-        rows = [("RESOURCE", "WE ADVERTISE", "KUBELET ALLOCATABLE", "")]
-        rows += [(r, str(c["ours"]), str(c["kubelet"]), "match" if c["ours"] == c["kubelet"] else "MISMATCH")
-                 for r, c in view["counts"].items()]
-        out.write(f"kubelet's view (pod-resources {view['socket']}):\n{_table(rows)}\n\n")
+        counts = [("RESOURCE", "WE ADVERTISE", "KUBELET ALLOCATABLE", "")]
+        counts += [(r, str(c["ours"]), str(c["kubelet"]), "match" if c["ours"] == c["kubelet"] else "MISMATCH")
+                   for r, c in view["counts"].items()]
+        out.write(f"kubelet's view (pod-resources {view['socket']}):\n{_table(counts)}\n\n")
     for f in report.findings:
         if f.check == "metrics" and f.status != OK:
             out.write(f"WARNING: metrics: {f.message}\n  fix: {f.fix}\n\n")

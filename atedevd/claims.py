@@ -20,7 +20,7 @@ has given out live here too (`ids`): they outlast a reload's new table.
 
 import os
 import stat
-from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from atedevd import policy
 from atedevd.config import Device, Pattern, host_path
@@ -46,7 +46,7 @@ class Claims:
         self._devices: Dict[str, Device] = {}
         self._patterns: Dict[str, Pattern] = {}
         self._dev_root = "/dev"
-        self._tables: Dict[str, object] = {}  # resource -> its table (recheck)
+        self._tables: Dict[str, Any] = {}  # resource -> its table (recheck)
         self._ids: Dict[str, Dict[str, str]] = {}  # resource -> ID -> the path it meant first
         self._open: Dict[int, Set[str]] = {}  # st_rdev -> the resources in a conflict over it
         self._said: Set[Tuple[int, FrozenSet[str]]] = set()

@@ -100,7 +100,7 @@ class Device(Record):
 
     resource: str
     path: str
-    count: int = 1024  # docs/design.md, "How many units"
+    count: int = 1024  # type: ignore[assignment]  # the configuration's key; it hides tuple.count, never called; docs/design.md, "How many units"
     permissions: str = "rw"
     # Grant it even if the device policy (policy.py) refuses the node: an
     # operator who means it, warned at every start and by `atedevd check`.
@@ -492,6 +492,7 @@ def _build_devices(value, lines: _Lines, report: _Report) -> Tuple[Device, ...]:
         ok = True
         for key, v in table.items():  # document order, so errors come out in line order
             line = lines.of("device", i, key)
+            problem: Optional[str]
             if key not in DEVICE_KEYS:
                 problem = _unknown(key, where, DEVICE_KEYS)
             else:
@@ -680,7 +681,7 @@ def _check_policy(cfg: Config, lines: Optional[_Lines], report: _Report) -> None
                 found = policy.refusal(host_path(path, cfg.dev_root), cfg.sys_root)
             except OSError:
                 continue  # absent or unreadable: judged when the daemon finds it
-            if policy.refused(found, dev.allow_host_access):
+            if found is not None and policy.refused(found, dev.allow_host_access):
                 if cfg.devices is DEFAULT_DEVICES:
                     where, line = "the built-in device", None
                 else:

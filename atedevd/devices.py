@@ -24,7 +24,7 @@ import logging
 import os
 import stat
 import threading
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from atedevd import policy
 from atedevd.api import pb
@@ -59,7 +59,7 @@ def presence(device: Device, dev_root: str, sys_root: str = policy.SYS_ROOT) -> 
     except OSError as e:
         return Presence(f"unreadable ({e.strerror})")
     found = policy.judge(node)  # a block device is refused whatever the configuration says
-    if policy.refused(found, device.allow_host_access):
+    if found is not None and policy.refused(found, device.allow_host_access):
         return Presence(policy.refusal_text(found), node, found)
     return Presence(PRESENT, node, found)
 
@@ -120,7 +120,7 @@ class NodeWatch:
         self._last: Optional[tuple] = None
         self._stat: Optional[tuple] = None  # what one stat() saw last: the loop looks on every wake-up
         self.via: Tuple[str, ...] = ()  # the directories its link leads through (link_directories)
-        self.rival = None  # claims.Rival while another resource reaches the node
+        self.rival: Optional[Any] = None  # claims.Rival while another resource reaches the node
         self.numbers: Optional[Tuple[int, int]] = None  # the node's, as last judged
         self._claims, self._resource, self._exclusive = claims, resource, exclusive
 
@@ -168,20 +168,22 @@ class NodeWatch:
         if key == self._last:
             return None
         first_look, self._last = self._last is None, key
-        if state == "claimed":
-            return Change(False, logging.ERROR if self.rival.news else logging.DEBUG, "device-conflict",
-                          f"{self.rival.text}; {'units are Unhealthy' if advertised else 'not advertised'}")
+        rival = self.rival
+        if state == "claimed" and rival is not None:
+            return Change(False, logging.ERROR if rival.news else logging.DEBUG, "device-conflict",
+                          f"{rival.text}; {'units are Unhealthy' if advertised else 'not advertised'}")
+        what = found.node.describe() if found.node is not None else "not a node"
         if state == PRESENT:
             if found.refusal is not None:  # opted in: said at every start and whenever it appears
                 return Change(True, logging.WARNING, "device-host-access",
                               f"{device.path} gives pods the host, granted because allow_host_access = true: {found.refusal}")
             if first_look:
-                return Change(True, logging.DEBUG, "device-present", f"{device.path} is present ({found.node.describe()})")
+                return Change(True, logging.DEBUG, "device-present", f"{device.path} is present ({what})")
             return Change(True, logging.INFO, "device-present",
                           f"{device.path} is present again" if advertised else f"{device.path} appeared; advertising it")
         if state == "changed":
             return Change(False, logging.ERROR, "device-changed",
-                          f"{where} is now {found.node.describe()}, not the {_numbers(self.first)} first served; "
+                          f"{where} is now {what}, not the {_numbers(self.first)} first served; "
                           f"units are Unhealthy until {_numbers(self.first)} is back or a reload accepts the new node")
         if found.refusal is not None:
             return Change(False, logging.ERROR, "device-refused",
@@ -218,6 +220,8 @@ class Snapshot:
         self.by_id: Optional[dict] = None if units is None else {u.id: u for u in units}  # ID -> patterns.Unit
         self.healthy = healthy if units is None else any(u.healthy for u in units)
         self._device = device
+        self._ids: Optional[FrozenSet[str]]
+        self._response: Optional[pb.ListAndWatchResponse]
         self._ids, self._response = _built or (None, None)
         self._lock = threading.Lock()
 

@@ -51,7 +51,7 @@ def observe_disk(sys_root: str = policy.SYS_ROOT) -> Observe:
         key = (st.st_rdev, allow_host_access)
         if key not in verdicts:
             node = policy.look(host_path, sys_root)
-            verdicts[key] = not policy.refused(policy.judge(node), allow_host_access)
+            verdicts[key] = node is not None and not policy.refused(policy.judge(node), allow_host_access)
         return Observed("char", st.st_rdev, verdicts[key])
 
     return observe
@@ -131,7 +131,7 @@ def _wrong(s, seen: Observed) -> Optional[str]:
         return "is gone"
     if seen.kind != "char":
         return f"is a {seen.kind} file, not a character device"
-    if s.first is not None and seen.rdev != os.makedev(*s.first):
+    if s.first is not None and seen.rdev is not None and seen.rdev != os.makedev(*s.first):
         return f"is {os.major(seen.rdev)}:{os.minor(seen.rdev)}, not the {s.first[0]}:{s.first[1]} first served"
     if not seen.allowed:
         return "is refused by the device policy"

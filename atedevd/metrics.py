@@ -189,6 +189,8 @@ class TextfileWriter:
         if text == self._written and now < self._written_at + self.refresh:
             return
         self._written_at = now  # failed or not: the next try is at the refresh
+        if self.path is None:
+            return
         try:
             write_atomically(self.path, text)
         except OSError as e:

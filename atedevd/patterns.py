@@ -78,8 +78,8 @@ def preferred(available, must_include, size: int, numa: Callable[[str], Tuple[in
     groups: Dict[Optional[int], List[str]] = {}
     for i in sorted(dict.fromkeys(available)):
         if i not in taken:
-            nodes = numa(i)
-            groups.setdefault(nodes[0] if len(nodes) == 1 else None, []).append(i)
+            at = numa(i)
+            groups.setdefault(at[0] if len(at) == 1 else None, []).append(i)
     near = {numa(i)[0] for i in chosen if len(numa(i)) == 1}
     nodes = [n for n in groups if n is not None]
     fits = [n for n in nodes if len(groups[n]) >= need]
@@ -149,7 +149,7 @@ class ExclusiveTable:
 
     @property
     def units(self) -> List[_Match]:
-        return sorted((m for m in self._matches.values() if m.unit), key=lambda m: m.id)
+        return sorted((m for m in self._matches.values() if m.unit), key=lambda m: m.id or "")
 
     def look(self) -> Tuple[List[Change], bool]:
         """What to tell the journal since the last look, and whether what kubelet is sent changed."""
@@ -299,14 +299,15 @@ class ExclusiveTable:
             return Change(False, logging.INFO, "device-missing",
                           f"no node matches {self.device.path} ({self._pattern.host_directory}); "
                           "not advertised until one appears")
-        named = ", ".join(f"{m.id} ({m.node.numbers}{', NUMA ' + _numa(m.numa) if m.numa else ''})" for m in units[:8])
+        named = ", ".join(f"{m.id} ({m.node.numbers if m.node else '?'}{', NUMA ' + _numa(m.numa) if m.numa else ''})"
+                          for m in units[:8])
         more = f" and {len(units) - 8} more" if len(units) > 8 else ""
         return Change(True, logging.INFO, "device-present",
                       f"{len(units)} unit{'s' if len(units) != 1 else ''} from {self.device.path}: {named}{more}")
 
     def snapshot(self, version: int) -> Snapshot:
         ok = self._companions.ok
-        units = tuple(Unit(m.id, m.path, m.state == PRESENT and ok, m.numa) for m in self.units)
+        units = tuple(Unit(m.id or "", m.path, m.state == PRESENT and ok, m.numa) for m in self.units)  # (a unit has an ID)
         return Snapshot(self.device, any(u.healthy for u in units), version, units=units)
 
     def forget(self) -> None:
@@ -319,7 +320,8 @@ class ExclusiveTable:
         for m in sorted(self._matches.values(), key=lambda m: m.id or ""):
             m.first = None
             numbers = (m.node.major, m.node.minor) if m.node is not None else None
-            if m.unit and m.state != "refused" and is_node(stat_key(self._pattern.host_path_of(m.name)), numbers):
+            if m.unit and m.state != "refused" and numbers is not None and \
+                    is_node(stat_key(self._pattern.host_path_of(m.name)), numbers):
                 if numbers not in self._claims:  # (its node now: one gone since the last look leaves the list)
                     m.first, self._claims[numbers] = numbers, m.name
             else:

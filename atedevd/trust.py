@@ -39,9 +39,9 @@ def problems(path: str, st: Optional[os.stat_result] = None) -> List[str]:
         if text not in found:
             found.append(text)
     if st is not None:
-        text = _entry_problem(path, st, trusted, final=True)
-        if text and text not in found:
-            found.append(text)
+        problem = _entry_problem(path, st, trusted, final=True)
+        if problem and problem not in found:
+            found.append(problem)
         if reached and (reached[0].st_dev, reached[0].st_ino) != (st.st_dev, st.st_ino):
             found.append(f"{path} was replaced while it was read: read it again")
     return found
@@ -51,6 +51,7 @@ def _walk(path: str, trusted: Set[int], reached: List[os.stat_result]) -> Iterat
     """Every entry the kernel looks up on the way to `path`, links followed as it follows them:
     its own owner, and whether its directory lets others replace it. The file reached is
     appended to `reached`."""
+    here_st: os.stat_result
     try:
         here_st = os.stat("/")
     except OSError as e:
@@ -66,10 +67,11 @@ def _walk(path: str, trusted: Set[int], reached: List[os.stat_result]) -> Iterat
         name = todo.pop(0)
         if name == "..":  # the parent of where the walk is, not of the string written
             here = os.path.dirname(here)
-            here_st, problem = _stat(here)
-            if problem:
-                yield problem
+            parent, problem = _stat(here)
+            if parent is None:
+                yield problem or here
                 return
+            here_st = parent
             continue
         entry = os.path.join(here, name)
         try:
@@ -97,10 +99,11 @@ def _walk(path: str, trusted: Set[int], reached: List[os.stat_result]) -> Iterat
             todo = _parts(target) + todo
             if target.startswith("/"):
                 here = "/"
-                here_st, problem = _stat(here)
-                if problem:
-                    yield problem
+                root, problem = _stat(here)
+                if root is None:
+                    yield problem or here
                     return
+                here_st = root
             continue
         if last:
             reached.append(st)

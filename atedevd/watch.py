@@ -110,7 +110,7 @@ class Watcher:
         self._overflow_said: Optional[float] = None
         self._spare: Optional[int] = None  # write end of the stand-in pipe, while inotify_init fails
         try:
-            self._fd: Optional[int] = _init()
+            self._fd: int = _init()
         except OSError as e:
             self._complain(e, "inotify_init", None)
             # The loop polls fileno() from the start, so hand it a descriptor that
@@ -222,19 +222,21 @@ class Watcher:
             return  # said once already
         os.dup2(fd, self._fd, inheritable=False)  # same number: the loop keeps polling it
         os.close(fd)
-        os.close(self._spare)
+        if self._spare is not None:
+            os.close(self._spare)
         self._spare = None
         self._inotify = True
 
     def _complain(self, e: OSError, call: str, path: Optional[str]) -> None:
         """Log an inotify failure loudly, once per kind until inotify works again."""
-        if e.errno in self._complained:
+        number = e.errno or 0
+        if number in self._complained:
             return
-        self._complained.add(e.errno)
+        self._complained.add(number)
         what = f"{call}({path})" if path else call
-        code = errno.errorcode.get(e.errno, str(e.errno))
+        code = errno.errorcode.get(number, str(number))
         event(logging.ERROR, "inotify-unavailable",
-              f"{what} failed: {e.strerror} ({code}){_advice(e.errno, path)}; polling "
+              f"{what} failed: {e.strerror} ({code}){_advice(number, path)}; polling "
               f"{'the directories inotify cannot watch' if path else 'every watched directory'} every {POLL_INTERVAL_S:g} s instead, "
               "so kubelet restarts and device changes are noticed up to that much later")
 
@@ -335,7 +337,7 @@ def _diff(directory: str, old: _Scan, new: _Scan) -> List[Event]:
     for name in sorted(before.keys() | after.keys()):
         b, a = before.get(name), after.get(name)
         if a is None:
-            events.append(Event(directory, name, c.IN_DELETE | _isdir(b)))
+            events.append(Event(directory, name, c.IN_DELETE | _isdir(before[name])))
         elif b is None:
             events.append(Event(directory, name, c.IN_CREATE | _isdir(a)))
         elif a[:2] != b[:2] or (a[1] == stat.S_IFSOCK and a != b):  # a new file under the old name
