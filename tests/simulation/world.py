@@ -146,17 +146,14 @@ class World:
         if self._killed_owed and any(d.parent is None and d.host.cdi.keepers and
                                      all(k.wrote for k in d.host.cdi.keepers.values()) for d in self.processes):
             self._killed_owed = set()
-        # Looked at again only when the directory changed (a spec is replaced by a rename: a new
-        # inode) or what is owed may have grown (a name once answerable stays so).
-        with os.scandir(self.cdi_dir) as entries:
-            files = tuple(sorted((e.name, e.inode()) for e in entries))
-        seen = (files, len(self._killed_owed),
-                tuple((d.n, sum(len(k.book.ever_answerable) for k in d.host.cdi.keepers.values())) for d in self.processes))
+        # Looked at again only when a daemon wrote or removed a spec (a keeper's last write is
+        # another), one exited, or what is owed may have grown (a name once answerable stays so).
+        seen = (len(self._killed_owed), tuple((d.n, tuple((k._written, len(k.book.ever_answerable))  # (a test reads them)
+                                                         for k in d.host.cdi.keepers.values())) for d in self.processes))
         if seen == self._cdi_seen:
             return
-        if seen[0] != (self._cdi_seen or (None,))[0]:
-            self._resolvable = cdi_files.resolvable(self.cdi_dir)
         self._cdi_seen = seen
+        self._resolvable = cdi_files.resolvable(self.cdi_dir)
         owed = set(self._killed_owed).union(*(d.host.cdi.owed() for d in self.processes))
         missing = owed - self._resolvable
         if missing and len(self.cdi_problems) < 3:
