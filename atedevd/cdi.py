@@ -72,7 +72,7 @@ def qualified(resource: str, name: str) -> str:
     return f"{kind(resource)}={name}"
 
 
-class DeviceNode(Record):
+class SpecNode(Record):
     """One node a CDI device makes in the container: the path pods see and the numbers served."""
 
     path: str
@@ -94,7 +94,7 @@ def version(names: Iterable[str]) -> str:
     return "0.5.0" if any(n[:1].isdigit() for n in names) else "0.3.0"
 
 
-def device_entry(name: str, nodes: Iterable[DeviceNode], settings: Settings) -> dict:
+def device_entry(name: str, nodes: Iterable[SpecNode], settings: Settings) -> dict:
     """One CDI device: its nodes, each with its type, numbers, container-side mode (and owner)
     and cgroup access."""
     edits: List[dict] = []

@@ -24,13 +24,13 @@ class SpecBook:
     def __init__(self, resource: str) -> None:
         self.resource = resource
         self.kind = cdi.kind(resource)
-        self._nodes: Dict[str, Tuple[cdi.DeviceNode, ...]] = {}  # every device granted this run
+        self._nodes: Dict[str, Tuple[cdi.SpecNode, ...]] = {}  # every device granted this run
         self._settings = cdi.Settings()
         self._written: Dict[str, dict] = {}  # our devices as last written
         self.answerable: FrozenSet[str] = frozenset()  # on disk as they should be: an answer may name them
         self.ever_answerable: FrozenSet[str] = frozenset()  # every name answerable at some moment of this run
 
-    def offer(self, grants: Mapping[str, Tuple[cdi.DeviceNode, ...]], settings: cdi.Settings) -> Optional[dict]:
+    def offer(self, grants: Mapping[str, Tuple[cdi.SpecNode, ...]], settings: cdi.Settings) -> Optional[dict]:
         """Devices seen now (healthy units and their nodes) and the table's settings: the document
         to write, or None when what is on disk is it."""
         self._nodes.update(grants)
@@ -83,11 +83,11 @@ class SpecBook:
         return sorted(self._nodes)
 
 
-def _nodes_of(entry: dict) -> Tuple[cdi.DeviceNode, ...]:
+def _nodes_of(entry: dict) -> Tuple[cdi.SpecNode, ...]:
     """The nodes of a device entry as this module writes them; () for anything else."""
     try:
         nodes = entry["containerEdits"]["deviceNodes"]
-        return tuple(cdi.DeviceNode(n["path"], n["major"], n["minor"]) for n in nodes
+        return tuple(cdi.SpecNode(n["path"], n["major"], n["minor"]) for n in nodes
                      if n.get("type") == "c" and isinstance(n["path"], str) and isinstance(n["major"], int)
                      and isinstance(n["minor"], int))
     except (KeyError, TypeError, AttributeError):

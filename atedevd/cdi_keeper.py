@@ -136,7 +136,7 @@ class Keeper:
         if specs is None or not specs.enabled:
             self._answers = (frozenset(), None, {})
             return
-        grants: Dict[str, Tuple[cdi.DeviceNode, ...]] = {}
+        grants: Dict[str, Tuple[cdi.SpecNode, ...]] = {}
         companions = _nodes(device.companions, specs.dev_root)
         if snapshot.by_id is None:
             self._shared = cdi.shared_name(device.resource)
@@ -226,7 +226,7 @@ class Keeper:
         return tuple(cdi.qualified(self.resource, n) for n in known)
 
 
-def _nodes(paths, dev_root: str) -> Optional[Tuple[cdi.DeviceNode, ...]]:
+def _nodes(paths, dev_root: str) -> Optional[Tuple[cdi.SpecNode, ...]]:
     """Each path's node as the container will have it (its numbers, every symlink followed);
     None when one is not a character device now."""
     found = []
@@ -237,5 +237,5 @@ def _nodes(paths, dev_root: str) -> Optional[Tuple[cdi.DeviceNode, ...]]:
             return None
         if not stat.S_ISCHR(st.st_mode):
             return None
-        found.append(cdi.DeviceNode(path, os.major(st.st_rdev), os.minor(st.st_rdev)))
+        found.append(cdi.SpecNode(path, os.major(st.st_rdev), os.minor(st.st_rdev)))
     return tuple(found)

@@ -52,7 +52,7 @@ class Finding:
 
 
 @dataclass
-class Report:
+class NodeReport:
     """Everything `check` found, before it is printed as a table or as JSON."""
 
     config: Optional[str]
@@ -93,11 +93,11 @@ def run(cfg: Config, out: TextIO, unit: Optional[Callable[[], Optional[Dict[str,
     return report.exit_code
 
 
-def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]], runtimes: Optional[Callable[[], list]] = None) -> Report:
+def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]], runtimes: Optional[Callable[[], list]] = None) -> NodeReport:
     """Look at the node: every finding as data."""
     from atedevd import pod_checks, runtimes as runtime_files  # only for `check`
 
-    report = Report(cfg.source, cfg.dev_root, cfg.device_plugin_dir)
+    report = NodeReport(cfg.source, cfg.dev_root, cfg.device_plugin_dir)
     found = (runtimes or runtime_files.read)()
     for dev in cfg.devices:
         _check_device(cfg, dev, report)
@@ -127,7 +127,7 @@ def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]], runtimes:
     return report
 
 
-def _check_device(cfg: Config, dev: Device, report: Report) -> None:
+def _check_device(cfg: Config, dev: Device, report: NodeReport) -> None:
     if dev.pattern:
         _check_pattern(cfg, dev, report)
         return
@@ -160,7 +160,7 @@ def _check_device(cfg: Config, dev: Device, report: Report) -> None:
                "or make the node 0660 root:kvm and give the pod supplementalGroups: [<its gid>]")
 
 
-def _check_pattern(cfg: Config, dev: Device, report: Report) -> None:
+def _check_pattern(cfg: Config, dev: Device, report: NodeReport) -> None:
     """A pattern's units, one per matching node: ready when at least one can be served."""
     nodes = node_rows(cfg, dev)
     units = [n for n in nodes if n["role"] == "unit"]
@@ -214,7 +214,7 @@ def pattern_findings(cfg: Config) -> List[Tuple[str, str, str]]:
     return out
 
 
-def render_text(report: Report, out: TextIO) -> None:
+def render_text(report: NodeReport, out: TextIO) -> None:
     """The table a person reads."""
     out.write(f"config: {report.config or 'built-in defaults'}\ndev root: {report.dev_root}\n\n")
     rows = [("RESOURCE", "PATH", "HOST PATH", "PRESENT", "TYPE", "UNITS")]
@@ -261,7 +261,7 @@ def render_text(report: Report, out: TextIO) -> None:
     out.write(f"READY: this node can serve {names}\n")
 
 
-def _render_nodes(report: Report, out: TextIO) -> None:
+def _render_nodes(report: NodeReport, out: TextIO) -> None:
     """Per pattern resource (or a device with companions): every node it reaches."""
     for d in report.devices:
         nodes = d["nodes"]
@@ -277,7 +277,7 @@ def _render_nodes(report: Report, out: TextIO) -> None:
         out.write(f"{d['resource']} ({d['path']}):\n{_table(rows)}\n\n")
 
 
-def _render_pods(report: Report, out: TextIO) -> None:
+def _render_pods(report: NodeReport, out: TextIO) -> None:
     """Per device, every pod kind: does it open the node, why, and the fix (atedevd/pod_kinds.py)."""
     from atedevd.pod_kinds import TITLES
 
@@ -296,7 +296,7 @@ def _problem_text(f: Finding) -> str:
     return f"{prefix}: {f.message}"
 
 
-def to_json(report: Report) -> str:
+def to_json(report: NodeReport) -> str:
     """`check --json`: a stable document for fleet tools (docs/check-json.md)."""
     doc = {
         "schema": SCHEMA,
@@ -436,7 +436,7 @@ def non_root_access(st: os.stat_result, permissions: str) -> str:
     return "only with " + " or ".join(ways) if ways else "no"
 
 
-def _render_non_root(report: Report, out: TextIO) -> None:
+def _render_non_root(report: NodeReport, out: TextIO) -> None:
     rows = [("RESOURCE", "HOST PATH", "OWNER", "MODE", "NON-ROOT CONTAINER CAN OPEN IT")]
     group_gids = set()
     for d in report.devices:
@@ -567,7 +567,7 @@ def drop_in(plugin_dir: str) -> str:
             "ReadWritePaths=-/run/cdi\n")
 
 
-def _kubelet_view(cfg: Config, report: Report) -> None:
+def _kubelet_view(cfg: Config, report: NodeReport) -> None:
     """What kubelet itself counts, next to what we advertise: the one place a
     registration that kubelet silently stopped honouring shows."""
     from atedevd.kubelet import allocatable_counts, pod_resources_socket  # imports grpc: only when `check` gets here

@@ -80,7 +80,7 @@ class Claims:
         """A table begins judging: what others reach is read afresh."""
         self._memo.clear()
 
-    def rival(self, name: str, node: policy.Node, exclusive: bool, path: str) -> Optional[Rival]:
+    def rival(self, name: str, node: policy.DeviceNode, exclusive: bool, path: str) -> Optional[Rival]:
         """The other resource that reaches `node` now, where one of the two hands it to one
         container at a time (`exclusive`: `name` does, as `path`), and whose policy would
         serve it; None when `name` may serve it."""

@@ -43,7 +43,7 @@ class Presence(Record):
     """What is at a device's path now: `state` is PRESENT or why not."""
 
     state: str
-    node: Optional[policy.Node] = None
+    node: Optional[policy.DeviceNode] = None
     refusal: Optional[policy.Refusal] = None  # a rule matched (granted anyway when opted in)
 
 
@@ -431,7 +431,7 @@ def row(device: Device, dev_root: str, sys_root: str, role: str, rival=None) -> 
                    numa, pci, found.state != MISSING, not refused, state)
 
 
-def placement(node: policy.Node, sys_root: str = policy.SYS_ROOT) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+def placement(node: policy.DeviceNode, sys_root: str = policy.SYS_ROOT) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
     """(NUMA nodes, PCI addresses) of the hardware behind a node, as sysfs tells them.
 
     A VFIO group (`/dev/vfio/N`, sysfs class vfio) has no device of its own in sysfs:

@@ -43,7 +43,7 @@ class DirectoryNews(Record):
 
 
 def interpret(events: Iterable, plugin_dir: str, resources: Iterable[str]) -> DirectoryNews:
-    """Read a batch of watch.Event (inotify's, or polling's of the same shape): our own
+    """Read a batch of watch.DirEvent (inotify's, or polling's of the same shape): our own
     sockets and the standby directory are not news."""
     plugin_dir = os.path.normpath(plugin_dir)
     ours = tuple(sockets.prefix(n) + "." for n in resources) + (sockets.STANDBY_DIR,)

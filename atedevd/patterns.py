@@ -101,7 +101,7 @@ class _Match:
         self.name, self.path = name, path
         self.id: Optional[str] = None  # its unit's ID, once it is a unit
         self.state = MISSING  # PRESENT, or why it is not served
-        self.node: Optional[policy.Node] = None
+        self.node: Optional[policy.DeviceNode] = None
         self.refusal: Optional[policy.Refusal] = None
         self.first: Optional[Tuple[int, int]] = None  # the numbers first served as its unit
         self.numa: Tuple[int, ...] = ()

@@ -23,7 +23,7 @@ from atedevd.registration.messages import Listing, Outcome
 
 if TYPE_CHECKING:
     from atedevd.pod_resources import PodResourcesClient
-    from atedevd.seams import Call, Host, Server
+    from atedevd.seams import HostIO, PendingCall, Server
 
 # What a plugin server reports, as machine events.
 _STREAM_EVENTS = {StreamEvent.OPENED: m.StreamOpened, StreamEvent.LIST_SENT: m.ListSent, StreamEvent.ENDED: m.StreamEnded}
@@ -34,7 +34,7 @@ class Performer:
     stream budget and Allocate counts (atedevd/resource.py); `deliver(event)` takes
     what comes back later, on the loop."""
 
-    def __init__(self, owner, host: "Host", pod_resources: "PodResourcesClient", run_id: str,
+    def __init__(self, owner, host: "HostIO", pod_resources: "PodResourcesClient", run_id: str,
                  serve_failed: Callable[[str, OSError], bool], deliver: Callable[[m.Event], None],
                  numbers: Iterator[int]) -> None:
         self.owner = owner
@@ -45,7 +45,7 @@ class Performer:
         self.run_id = run_id
         self.serve_failed = serve_failed  # (path, OSError) -> True when the daemon stops because of it
         self.servers: Dict[int, "Server"] = {}  # by socket id
-        self._calls: Dict[int, "Call"] = {}  # by call id, for cancelling
+        self._calls: Dict[int, "PendingCall"] = {}  # by call id, for cancelling
         self._told_gone: Set[int] = set()  # sockets the machine was told are deleted
         self._numbers = numbers  # of the socket names: the run's for this resource (one removed and added again goes on)
         self.registers_sent = 0

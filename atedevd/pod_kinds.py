@@ -41,7 +41,7 @@ class HostNode(Record):
     owner: str = ""  # user:group in words
 
 
-class Verdict(Record):
+class PodVerdict(Record):
     kind: str
     opens: str  # YES or NO
     why: str
@@ -60,82 +60,82 @@ def _octal(mode: int) -> str:
     return f"{stat.S_IMODE(mode):04o}"
 
 
-def judge(node: HostNode, device: Device, cdi: bool, spec_dir: str, runtimes: Iterable[Runtime]) -> List[Verdict]:
+def judge(node: HostNode, device: Device, cdi: bool, spec_dir: str, runtimes: Iterable[Runtime]) -> List[PodVerdict]:
     """The verdict of every pod kind for one node of `device`."""
     runtimes = list(runtimes)
     need = _need(device.permissions)
     where = f"{node.host_path} is {_octal(node.mode)} {node.owner or f'{node.uid}:{node.gid}'}"
-    out = [Verdict(ROOT, YES, "root in the host's user namespace opens any node the device cgroup allows")]
+    out = [PodVerdict(ROOT, YES, "root in the host's user namespace opens any node the device cgroup allows")]
 
     owners = [r.name for r in runtimes if r.ownership_from_security_context]
     if _lets(node.mode, 0, need):
-        out.append(Verdict(NON_ROOT, YES, f"{where}: others may open it"))
+        out.append(PodVerdict(NON_ROOT, YES, f"{where}: others may open it"))
     elif owners:
-        out.append(Verdict(NON_ROOT, YES, f"{', '.join(owners)} gives the node the pod's runAsUser/runAsGroup "
+        out.append(PodVerdict(NON_ROOT, YES, f"{', '.join(owners)} gives the node the pod's runAsUser/runAsGroup "
                                           "(device_ownership_from_security_context)"))
     else:
-        out.append(Verdict(NON_ROOT, NO, f"{where}: the node keeps that mode and owner in the container",
+        out.append(PodVerdict(NON_ROOT, NO, f"{where}: the node keeps that mode and owner in the container",
                            "[daemon] cdi = true (the row below), or device_ownership_from_security_context = true "
                            "in the container runtime"))
     if _lets(node.mode, 3, need):
-        out.append(Verdict(GROUP, YES, f"{where}: with supplementalGroups: [{node.gid}] (the node's gid)"))
+        out.append(PodVerdict(GROUP, YES, f"{where}: with supplementalGroups: [{node.gid}] (the node's gid)"))
     else:
-        out.append(Verdict(GROUP, NO, f"{where}: its group may not open it",
+        out.append(PodVerdict(GROUP, NO, f"{where}: its group may not open it",
                            f"make the host node 0660 with a group of its own (a udev rule) and give the pod that gid"))
     out.append(_cdi(device, cdi, spec_dir, runtimes, need))
     out.append(_userns(node, device, runtimes, need, where))
     return out
 
 
-def _cdi(device: Device, cdi: bool, spec_dir: str, runtimes: List[Runtime], need: int) -> Verdict:
+def _cdi(device: Device, cdi: bool, spec_dir: str, runtimes: List[Runtime], need: int) -> PodVerdict:
     if not cdi:
-        return Verdict(CDI, NO, "cdi = false: answers carry the DeviceSpec alone",
+        return PodVerdict(CDI, NO, "cdi = false: answers carry the DeviceSpec alone",
                        "[daemon] cdi = true (containerd 1.7 with enable_cdi = true, containerd 2.x, CRI-O)")
     off = [r for r in runtimes if r.cdi is False]
     if off:
         r = off[0]
-        return Verdict(CDI, NO, f"{r.name} does not honour CDI names ({r.source}: enable_cdi = false)",
+        return PodVerdict(CDI, NO, f"{r.name} does not honour CDI names ({r.source}: enable_cdi = false)",
                        f"enable_cdi = true in {r.source}, then restart {r.name}")
     blind = [r for r in runtimes if spec_dir.rstrip("/") not in [d.rstrip("/") for d in r.spec_dirs]]
     if blind:
         r = blind[0]
-        return Verdict(CDI, NO, f"{r.name} reads CDI specs from {', '.join(r.spec_dirs)}, not {spec_dir}",
+        return PodVerdict(CDI, NO, f"{r.name} reads CDI specs from {', '.join(r.spec_dirs)}, not {spec_dir}",
                        f"cdi_spec_dir = \"{r.spec_dirs[-1]}\" in [daemon]")
     mode = device.container_mode
     made = f"the runtime makes it {mode:04o}"
     if device.container_uid is None and _lets(mode, 6, need):
-        return Verdict(CDI, YES, f"{made}, the container's user's")
+        return PodVerdict(CDI, YES, f"{made}, the container's user's")
     if _lets(mode, 0, need):
-        return Verdict(CDI, YES, f"{made}: others may open it")
+        return PodVerdict(CDI, YES, f"{made}: others may open it")
     if device.container_gid is not None and _lets(mode, 3, need):
-        return Verdict(CDI, YES, f"{made}, group {device.container_gid}: with supplementalGroups: "
+        return PodVerdict(CDI, YES, f"{made}, group {device.container_gid}: with supplementalGroups: "
                                  f"[{device.container_gid}]")
-    return Verdict(CDI, NO, f"{made}, owner {device.container_uid}: the pod's user may not open it",
+    return PodVerdict(CDI, NO, f"{made}, owner {device.container_uid}: the pod's user may not open it",
                    "container_mode = 0o666 (the default) in this [[device]]")
 
 
-def _userns(node: HostNode, device: Device, runtimes: List[Runtime], need: int, where: str) -> Verdict:
+def _userns(node: HostNode, device: Device, runtimes: List[Runtime], need: int, where: str) -> PodVerdict:
     crun = [r.name for r in runtimes if r.oci_runtime == "crun"]
     note = (f" ({', '.join(crun)} runs crun, which makes the node instead: measured with crun 1.8, as root in "
             "the user namespace it opens as through the other rows)") if crun else ""
     if node.at_container_path != node.rdev:
-        return Verdict(USERNS, NO, f"runc bind-mounts the host's {node.container_path} (the container path), which "
+        return PodVerdict(USERNS, NO, f"runc bind-mounts the host's {node.container_path} (the container path), which "
                                    f"is {'missing' if node.at_container_path is None else 'another node'}, not "
                                    f"{node.host_path}{note}",
                        f"serve the node at the path pods see: {node.container_path} on the host")
     if device.host_mode is not None and _lets(device.host_mode, 0, need):
-        return Verdict(USERNS, YES, f"host_mode = 0o{device.host_mode:o}: atedevd keeps {node.host_path} so, and runc "
+        return PodVerdict(USERNS, YES, f"host_mode = 0o{device.host_mode:o}: atedevd keeps {node.host_path} so, and runc "
                                     f"binds the host node (now {_octal(node.mode)}){note}")
     if _lets(node.mode, 0, need):
-        return Verdict(USERNS, YES, f"{where}: runc binds the host node, and others may open it{note}")
-    return Verdict(USERNS, NO, f"{where}: runc binds the host node, and the kernel judges its own mode for a uid "
+        return PodVerdict(USERNS, YES, f"{where}: runc binds the host node, and others may open it{note}")
+    return PodVerdict(USERNS, NO, f"{where}: runc binds the host node, and the kernel judges its own mode for a uid "
                                f"that is nobody on the host (the spec's and the runtime's owner do not apply){note}",
                    f"the one fix: a host node others may read and write: host_mode = 0o666 in this [[device]] "
                    f"(atedevd keeps it so; or a udev rule with MODE=\"0666\"). It means every user and process on "
                    f"the host may open {node.container_path} too, not only the pods granted it")
 
 
-def combine(per_node: List[List[Verdict]]) -> List[Verdict]:
+def combine(per_node: List[List[PodVerdict]]) -> List[PodVerdict]:
     """One verdict per kind for a device of several nodes (its companions, a pattern's units):
     a kind opens the device when it opens every node; else the first node it cannot."""
     out = []

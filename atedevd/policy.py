@@ -26,7 +26,7 @@ from atedevd.record import Record
 SYS_ROOT = "/sys"
 
 
-class Node(Record):
+class DeviceNode(Record):
     """A device node as the kernel knows it."""
 
     path: str  # the path looked at
@@ -157,7 +157,7 @@ RULES: Tuple[Rule, ...] = (
 class Refusal(Record):
     """A node that gives a container the host."""
 
-    node: Node
+    node: DeviceNode
     rule: Rule
 
     def __str__(self) -> str:
@@ -173,7 +173,7 @@ def refusal_text(found: Refusal) -> str:
             f"set allow_host_access = true in this [[device]] table")
 
 
-def look(path: str, sys_root: str = SYS_ROOT) -> Optional[Node]:
+def look(path: str, sys_root: str = SYS_ROOT) -> Optional[DeviceNode]:
     """The device node at `path`, symlinks followed; None when it is not a device node.
 
     Raises OSError (FileNotFoundError when nothing is there) as os.stat does.
@@ -187,7 +187,7 @@ def look(path: str, sys_root: str = SYS_ROOT) -> Optional[Node]:
         return None
     major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
     subsystem, name = _sysfs(sys_root, kind, major, minor)
-    return Node(path, os.path.realpath(path), kind, major, minor, subsystem, name)
+    return DeviceNode(path, os.path.realpath(path), kind, major, minor, subsystem, name)
 
 
 def _sysfs(sys_root: str, kind: str, major: int, minor: int) -> Tuple[Optional[str], Optional[str]]:
@@ -235,7 +235,7 @@ def _read_sysfs(entry: str) -> Tuple[Optional[str], Optional[str]]:
     return subsystem, name
 
 
-def judge(node: Node) -> Optional[Refusal]:
+def judge(node: DeviceNode) -> Optional[Refusal]:
     """The rule that refuses `node`, or None when a pod may have it."""
     for rule in RULES:
         if rule.numbers(node.kind, node.major, node.minor) or (

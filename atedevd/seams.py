@@ -1,9 +1,9 @@
 """The seams between what decides and what does I/O, as Protocols a type checker holds.
 
-`Host` is everything the node, its resources and their performers do to the world
+`HostIO` is everything the node, its resources and their performers do to the world
 (atedevd/host.py on a node, tests/simulation/host.py in the simulation); `Server` is one
 plugin socket's server as the performer drives it (atedevd/plugin.py's PluginServer, the
-simulation's SimServer); `Call` is a call in flight. Nothing imports this module at run
+simulation's SimServer); `PendingCall` is a call in flight. Nothing imports this module at run
 time (the annotations that name it are strings): it costs a start nothing.
 """
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from atedevd.registration.messages import Listing, Outcome
 
 
-class Call(Protocol):
+class PendingCall(Protocol):
     def cancel(self) -> None: ...
 
 
@@ -37,7 +37,7 @@ class Server(Protocol):
     def end_streams(self) -> None: ...
 
 
-class Host(Protocol):
+class HostIO(Protocol):
     plugin_dir: str
     kubelet_socket: str
     pod_resources_socket: str
@@ -57,7 +57,7 @@ class Host(Protocol):
     def server(self, device: "Device", path: str, slots: Any, allocations: Any,
                on_event: Callable[[Any], None]) -> Server: ...
     def register(self, resource: str, endpoint: str,
-                 done: Callable[["Outcome", Optional[str]], None]) -> Call: ...
-    def ask_allocatable(self, path: str, done: Callable[["Listing", Dict[str, int], Optional[str]], None]) -> Call: ...
+                 done: Callable[["Outcome", Optional[str]], None]) -> PendingCall: ...
+    def ask_allocatable(self, path: str, done: Callable[["Listing", Dict[str, int], Optional[str]], None]) -> PendingCall: ...
     def post(self, call: Callable[[], None]) -> None: ...
     def say(self, level: int, kind: str, text: str, once: Optional[str] = None, **fields: str) -> None: ...

@@ -80,7 +80,7 @@ def _rm_watch(fd: int, wd: int) -> None:
     _check(_libc.inotify_rm_watch(fd, wd))
 
 
-class Event(Record):
+class DirEvent(Record):
     directory: str  # the watched directory the event happened in
     name: str  # the entry's name, "" for events on the directory itself
     mask: int
@@ -179,10 +179,10 @@ class Watcher:
             self._by_wd[wd] = path
             return path
 
-    def read(self) -> List[Event]:
+    def read(self) -> List[DirEvent]:
         """Every event queued now (never blocks), and the changes polling found if a
         scan is due; re-arms when directories come or go."""
-        events: List[Event] = []
+        events: List[DirEvent] = []
         while self._inotify:
             try:
                 buf = os.read(self._fd, 64 * 1024)
@@ -240,7 +240,7 @@ class Watcher:
               f"{'the directories inotify cannot watch' if path else 'every watched directory'} every {POLL_INTERVAL_S:g} s instead, "
               "so kubelet restarts and device changes are noticed up to that much later")
 
-    def _parse(self, buf: bytes) -> Iterable[Event]:
+    def _parse(self, buf: bytes) -> Iterable[DirEvent]:
         offset = 0
         while offset + _HEADER.size <= len(buf):
             wd, mask, _cookie, length = _HEADER.unpack_from(buf, offset)
@@ -251,7 +251,7 @@ class Watcher:
                 path = self._by_wd.pop(wd, None)
                 if path is not None and self._by_path.get(path) == wd:
                     del self._by_path[path]
-            yield Event(self._by_wd.get(wd, ""), name, mask)
+            yield DirEvent(self._by_wd.get(wd, ""), name, mask)
 
     def _drop(self, path: str) -> None:
         wd = self._by_path.pop(path)
@@ -320,31 +320,31 @@ def _scan(directory: str) -> _Scan:
     return (_entry(st), entries)
 
 
-def _diff(directory: str, old: _Scan, new: _Scan) -> List[Event]:
+def _diff(directory: str, old: _Scan, new: _Scan) -> List[DirEvent]:
     """What inotify would have said about the change from `old` to `new` (in this order)."""
-    events: List[Event] = []
+    events: List[DirEvent] = []
     if old is not None and (new is None or new[0][:2] != old[0][:2]):  # the directory went (or was replaced)
-        events += [Event(directory, n, c.IN_DELETE | _isdir(e)) for n, e in sorted(old[1].items())]
-        events.append(Event(directory, "", c.IN_DELETE_SELF))
+        events += [DirEvent(directory, n, c.IN_DELETE | _isdir(e)) for n, e in sorted(old[1].items())]
+        events.append(DirEvent(directory, "", c.IN_DELETE_SELF))
         old = None
     if new is None:
         return events
     if old is None:  # the directory appeared, seen from its parent
         parent, base = os.path.split(directory)
-        events.append(Event(parent, base, c.IN_CREATE | c.IN_ISDIR))
+        events.append(DirEvent(parent, base, c.IN_CREATE | c.IN_ISDIR))
         old = (new[0], {})
     before, after = old[1], new[1]
     for name in sorted(before.keys() | after.keys()):
         b, a = before.get(name), after.get(name)
         if a is None:
-            events.append(Event(directory, name, c.IN_DELETE | _isdir(before[name])))
+            events.append(DirEvent(directory, name, c.IN_DELETE | _isdir(before[name])))
         elif b is None:
-            events.append(Event(directory, name, c.IN_CREATE | _isdir(a)))
+            events.append(DirEvent(directory, name, c.IN_CREATE | _isdir(a)))
         elif a[:2] != b[:2] or (a[1] == stat.S_IFSOCK and a != b):  # a new file under the old name
-            events.append(Event(directory, name, c.IN_DELETE | _isdir(b)))
-            events.append(Event(directory, name, c.IN_CREATE | _isdir(a)))
+            events.append(DirEvent(directory, name, c.IN_DELETE | _isdir(b)))
+            events.append(DirEvent(directory, name, c.IN_CREATE | _isdir(a)))
         elif a != b:
-            events.append(Event(directory, name, c.IN_ATTRIB | _isdir(a)))
+            events.append(DirEvent(directory, name, c.IN_ATTRIB | _isdir(a)))
     return events
 
 

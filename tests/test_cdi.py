@@ -48,7 +48,7 @@ def test_a_resource_is_a_kind_and_its_units_are_device_names():
 
 
 def test_the_spec_version_is_the_lowest_that_allows_its_names():
-    node = cdi.DeviceNode("/dev/kvm", 10, 232)
+    node = cdi.SpecNode("/dev/kvm", 10, 232)
     doc = cdi.document(KVM, [cdi.device_entry("kvm", [node], cdi.Settings())])
     assert doc == {"cdiVersion": "0.3.0", "kind": "ate.dev/kvm", "devices": [{"name": "kvm", "containerEdits": {
         "deviceNodes": [{"path": "/dev/kvm", "type": "c", "major": 10, "minor": 232, "fileMode": 0o666,
@@ -61,7 +61,7 @@ def test_the_spec_version_is_the_lowest_that_allows_its_names():
 
 def test_a_name_stays_in_the_spec_and_is_answerable_only_as_written():
     book = cdi_book.SpecBook("ate.dev/serial")
-    a, b = cdi.DeviceNode("/dev/ttyUSB0", 188, 0), cdi.DeviceNode("/dev/ttyUSB1", 188, 1)
+    a, b = cdi.SpecNode("/dev/ttyUSB0", 188, 0), cdi.SpecNode("/dev/ttyUSB1", 188, 1)
     doc = book.offer({"ttyUSB0": (a,), "ttyUSB1": (b,)}, cdi.Settings())
     assert cdi.device_names(doc) == ("ttyUSB0", "ttyUSB1") and book.answerable == frozenset()
     book.written(doc)
@@ -77,7 +77,7 @@ def test_a_name_stays_in_the_spec_and_is_answerable_only_as_written():
 
 def test_a_handover_adopts_the_other_daemons_devices():
     book = cdi_book.SpecBook(KVM)
-    book.offer({"kvm": (cdi.DeviceNode("/dev/kvm", 10, 232),)}, cdi.Settings())
+    book.offer({"kvm": (cdi.SpecNode("/dev/kvm", 10, 232),)}, cdi.Settings())
     theirs = {"cdiVersion": "0.3.0", "kind": KVM, "devices": [
         {"name": "old", "containerEdits": {"deviceNodes": [{"path": "/dev/old", "type": "c", "major": 1, "minor": 2}]}},
         {"name": "kvm", "containerEdits": {"deviceNodes": []}},

@@ -17,7 +17,7 @@ from atedevd import claims as claims_mod
 from atedevd import invariants
 from atedevd.config import Device
 from atedevd.resource import node_table
-from atedevd.watch import Event
+from atedevd.watch import DirEvent
 
 # Character devices every Linux host has, each its own numbers; /dev/mem is refused by the policy.
 NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
@@ -299,7 +299,7 @@ def test_a_daemons_node_looks_at_its_nodes_on_a_deadline_of_its_own_and_watches_
     assert check.check(node) == [] and [u.healthy for u in serial.snapshot.by_id.values()] == [False]
     link(tmp_path, "kvm", "ttyUSB0")  # now the shareable path reaches a node the pattern hands out ...
     link(tmp_path, "ttyUSB0", "/dev/zero")
-    node.on_directory_events([Event(str(tmp_path), name, ic.IN_CREATE) for name in ("kvm", "ttyUSB0")], 103.0)
+    node.on_directory_events([DirEvent(str(tmp_path), name, ic.IN_CREATE) for name in ("kvm", "ttyUSB0")], 103.0)
     node.wake(103.0)
     assert not node.resources["a.dev/kvm"].snapshot.healthy and not serial.snapshot.healthy  # ... each told by the events
     assert check.check(node) == []

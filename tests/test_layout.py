@@ -102,3 +102,18 @@ def test_no_class_is_over_400_lines():
         long += [f"{name}.{n.name}: {n.end_lineno - n.lineno + 1}" for n in ast.walk(tree)
                  if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > 400]
     assert long == []
+
+
+def test_no_class_name_is_defined_twice():
+    """A name means one thing in the package: `Stop`, `Node` or `Event` in two modules made a
+    reader look twice (and a wrong import still ran)."""
+    where: Dict[str, List[str]] = {}
+    for name, path in modules().items():
+        if "_pb2" in name:
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ClassDef):
+                where.setdefault(n.name, []).append(name)
+    assert {k: v for k, v in where.items() if len(v) > 1} == {}

@@ -355,7 +355,7 @@ def test_a_usb_adapters_numa_node_is_its_controllers(tmp_path):
     (pci / "numa_node").write_text("1\n")
     (sys_root / "dev" / "char" / "188:0").mkdir(parents=True)
     os.symlink(tty.parent, sys_root / "dev" / "char" / "188:0" / "device")
-    node = devices.policy.Node("/dev/ttyUSB0", "/dev/ttyUSB0", "char", 188, 0)
+    node = devices.policy.DeviceNode("/dev/ttyUSB0", "/dev/ttyUSB0", "char", 188, 0)
     assert devices.placement(node, str(sys_root)) == ((1,), ())
     (pci / "numa_node").write_text("-1\n")
     assert devices.placement(node, str(sys_root)) == ((), ())

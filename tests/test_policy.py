@@ -12,7 +12,7 @@ import stat
 import pytest
 
 from atedevd import policy
-from atedevd.policy import Node
+from atedevd.policy import DeviceNode as Node
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")

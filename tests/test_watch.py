@@ -15,7 +15,7 @@ import inotify.constants as c
 import pytest
 
 from atedevd import watch
-from atedevd.watch import Event, Watcher
+from atedevd.watch import DirEvent, Watcher
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_inotify_available_means_no_poll_deadline(tmp_path):
         assert w.poll_deadline() is None
         (tmp_path / "f").touch()
         assert select.select([w.fileno()], [], [], 2)[0]
-        assert Event(str(tmp_path), "f", c.IN_CREATE) in w.read()
+        assert DirEvent(str(tmp_path), "f", c.IN_CREATE) in w.read()
     finally:
         w.close()
 
@@ -64,30 +64,30 @@ def test_watch_limit_polls_with_inotify_shaped_events_and_says_so_once(tmp_path,
         assert due_read(w) == []
 
         open(os.path.join(d, "kubelet.sock"), "w").close()
-        assert due_read(w) == [Event(d, "kubelet.sock", c.IN_CREATE)]
+        assert due_read(w) == [DirEvent(d, "kubelet.sock", c.IN_CREATE)]
 
         os.utime(os.path.join(d, "kubelet.sock"), ns=(1, 10**18))
-        assert due_read(w) == [Event(d, "kubelet.sock", c.IN_ATTRIB)]
+        assert due_read(w) == [DirEvent(d, "kubelet.sock", c.IN_ATTRIB)]
 
         open(os.path.join(d, "new"), "w").close()
         os.rename(os.path.join(d, "new"), os.path.join(d, "kubelet.sock"))  # another inode, same name
-        assert due_read(w) == [Event(d, "kubelet.sock", c.IN_DELETE), Event(d, "kubelet.sock", c.IN_CREATE)]
+        assert due_read(w) == [DirEvent(d, "kubelet.sock", c.IN_DELETE), DirEvent(d, "kubelet.sock", c.IN_CREATE)]
 
         os.mkdir(os.path.join(d, "sub"))
-        assert due_read(w) == [Event(d, "sub", c.IN_CREATE | c.IN_ISDIR)]
+        assert due_read(w) == [DirEvent(d, "sub", c.IN_CREATE | c.IN_ISDIR)]
         os.rmdir(os.path.join(d, "sub"))
         os.unlink(os.path.join(d, "kubelet.sock"))
-        assert due_read(w) == [Event(d, "kubelet.sock", c.IN_DELETE), Event(d, "sub", c.IN_DELETE | c.IN_ISDIR)]
+        assert due_read(w) == [DirEvent(d, "kubelet.sock", c.IN_DELETE), DirEvent(d, "sub", c.IN_DELETE | c.IN_ISDIR)]
 
         open(os.path.join(d, "x"), "w").close()
         os.unlink(os.path.join(d, "x"))
         os.rmdir(d)
-        assert due_read(w) == [Event(d, "", c.IN_DELETE_SELF)]  # x came and went between two scans
+        assert due_read(w) == [DirEvent(d, "", c.IN_DELETE_SELF)]  # x came and went between two scans
         assert due_read(w) == []
         os.mkdir(d)
         open(os.path.join(d, "kubelet.sock"), "w").close()
-        assert due_read(w) == [Event(str(tmp_path), "plugins", c.IN_CREATE | c.IN_ISDIR),
-                               Event(d, "kubelet.sock", c.IN_CREATE)]
+        assert due_read(w) == [DirEvent(str(tmp_path), "plugins", c.IN_CREATE | c.IN_ISDIR),
+                               DirEvent(d, "kubelet.sock", c.IN_CREATE)]
     finally:
         w.close()
     logged = errors(caplog)
@@ -104,7 +104,7 @@ def test_reused_inode_number_is_a_new_socket(tmp_path, monkeypatch, fast):
         old = (42, 0o140000, (1,))
         new = (42, 0o140000, (2,))
         assert watch._diff("/d", (old, {"kubelet.sock": old}), (old, {"kubelet.sock": new})) == [
-            Event("/d", "kubelet.sock", c.IN_DELETE), Event("/d", "kubelet.sock", c.IN_CREATE)]
+            DirEvent("/d", "kubelet.sock", c.IN_DELETE), DirEvent("/d", "kubelet.sock", c.IN_CREATE)]
     finally:
         w.close()
 
@@ -120,9 +120,9 @@ def test_only_the_refused_directory_is_polled(tmp_path, monkeypatch, fast):
         assert w.poll_deadline() is not None
         (tmp_path / "watched").touch()
         assert select.select([w.fileno()], [], [], 2)[0]  # inotify still works for the other one
-        assert Event(str(tmp_path), "watched", c.IN_CREATE) in w.read()
+        assert DirEvent(str(tmp_path), "watched", c.IN_CREATE) in w.read()
         open(os.path.join(refused, "f"), "w").close()
-        assert Event(refused, "f", c.IN_CREATE) in due_read(w)
+        assert DirEvent(refused, "f", c.IN_CREATE) in due_read(w)
     finally:
         w.close()
 
@@ -139,7 +139,7 @@ def test_instance_limit_polls_then_inotify_comes_back_on_the_same_descriptor(tmp
         w.want([str(tmp_path)])
         assert poller.poll(50) == []  # the stand-in descriptor never fires
         (tmp_path / "kubelet.sock").touch()
-        assert due_read(w) == [Event(str(tmp_path), "kubelet.sock", c.IN_CREATE)]
+        assert due_read(w) == [DirEvent(str(tmp_path), "kubelet.sock", c.IN_CREATE)]
         logged = errors(caplog)
         assert len(logged) == 1 and "EMFILE" in logged[0] and "fs.inotify.max_user_instances" in logged[0], logged
 
@@ -149,7 +149,7 @@ def test_instance_limit_polls_then_inotify_comes_back_on_the_same_descriptor(tmp
         assert w.poll_deadline() is None and w.fileno() == fd
         (tmp_path / "after").touch()
         assert poller.poll(2000)  # the loop's registration of the old number now hears inotify
-        assert Event(str(tmp_path), "after", c.IN_CREATE) in w.read()
+        assert DirEvent(str(tmp_path), "after", c.IN_CREATE) in w.read()
         assert any("works again" in r.getMessage() for r in caplog.records)
     finally:
         w.close()

@@ -43,7 +43,7 @@ class Backoff:
         self.delay = 0.0
 
 
-class Call(Record):
+class RegisterInFlight(Record):
     cid: int
     started: float
     sid: int  # the socket it names
@@ -58,7 +58,7 @@ class Attempts:
         self._cids = cids  # shared with the machine's other calls
         self.book = book
         self.tally = tally
-        self.call: Optional[Call] = None
+        self.call: Optional[RegisterInFlight] = None
         self.redo: Optional[Why] = None  # register again once the call in flight ends, and why
         self.retry = Retry.NONE
         self.why = Why.RETRY  # what a NEW retry begins a registration for
@@ -83,10 +83,10 @@ class Attempts:
 
     def send(self, now: float, sid: int) -> None:
         cid = next(self._cids)
-        self.call = Call(cid, now, sid)
+        self.call = RegisterInFlight(cid, now, sid)
         self._out.append(SendRegister(cid, sid))
 
-    def ended(self, cid: int) -> Optional[Call]:
+    def ended(self, cid: int) -> Optional[RegisterInFlight]:
         """The call `cid` came back: it, if it is the one in flight (else it was cancelled)."""
         if self.call is None or self.call.cid != cid:
             return None
@@ -108,7 +108,7 @@ class Attempts:
     def later(self, at: float, retry: Retry = Retry.NEW, why: Why = Why.RETRY) -> None:
         self.deadline, self.retry, self.why = at, retry, why
 
-    def failed(self, now: float, call: Call, outcome: Outcome, same_socket: bool,
+    def failed(self, now: float, call: RegisterInFlight, outcome: Outcome, same_socket: bool,
                kubelet_at: Optional[float], kubelet_up: bool) -> None:
         """The Register `call` was refused or failed: when, and how, to try again.
 

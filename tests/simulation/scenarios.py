@@ -16,7 +16,7 @@ import inotify.constants as ic
 
 from atedevd.registration import handover
 from atedevd.registration.messages import State
-from atedevd.watch import Event
+from atedevd.watch import DirEvent
 from tests.simulation.world import PATTERN_RESOURCE, RESOURCE, UNITS, World, plug, unplug
 
 MODES = ("1.32", "current")
@@ -102,7 +102,7 @@ def unit_unplugged_and_back(w: World) -> None:
     def event(mask):
         d = w.daemon
         if d is not None:
-            w.after(w.delay(), d.fs_events, [Event(w.dev_root, f"unit{n}", mask)])
+            w.after(w.delay(), d.fs_events, [DirEvent(w.dev_root, f"unit{n}", mask)])
 
     def out():
         before.append(accepted())

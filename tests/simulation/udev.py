@@ -19,7 +19,7 @@ import inotify.constants as ic
 
 from atedevd.config import Device
 from atedevd.invariants import observe_disk
-from atedevd.watch import Event
+from atedevd.watch import DirEvent
 
 # Character devices every Linux machine has, which the device policy allows (class mem) ...
 TARGETS = ("/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
@@ -88,7 +88,7 @@ class Udev:
         self.changes += 1
         directory, entry = os.path.split(path)
         masks = ([ic.IN_DELETE] if existed else []) + ([ic.IN_CREATE] if target is not None else [])
-        batch = [Event(directory, entry, mask) for mask in masks]
+        batch = [DirEvent(directory, entry, mask) for mask in masks]
         for d in list(self.w.processes):
             d.udev_pending += 1
             self.w.after(self.w.delay(), d.device_events, batch)

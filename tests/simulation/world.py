@@ -7,7 +7,7 @@ the timers, the reconciling after every wake-up), each `Resource`, its
 is simulated (tests/simulation/host.py): Register and pod-resources calls,
 the plugin servers' connections and streams, and inotify events each take a
 random delay on the world's clock. Directory events reach the daemon in
-batches of random size, in order, as inotify's `watch.Event`s.
+batches of random size, in order, as inotify's `watch.DirEvent`s.
 """
 
 import atexit
@@ -27,7 +27,7 @@ from atedevd.invariants import Invariants
 from atedevd.node import Node
 from atedevd.process import Process, Ready, ServingBegan, StartWork, Status, WatchDirectories, WriteMetrics
 from atedevd.registration.messages import Say, State
-from atedevd.watch import Event
+from atedevd.watch import DirEvent
 from tests.simulation.host import KUBELET_SOCK, PLUGIN_DIR, SimHost, SimServer
 from tests.simulation.kubelet import KubeletModel
 from tests.simulation.udev import Udev
@@ -229,9 +229,9 @@ class Directory:
     def _event(self, kind: str, name: str) -> None:
         if self.w.now < self.dropping_until:
             if not self._pending or not self._pending[-1].is_(ic.IN_Q_OVERFLOW):
-                self._pending.append(Event("", "", ic.IN_Q_OVERFLOW))  # inotify's overflow names no directory
+                self._pending.append(DirEvent("", "", ic.IN_Q_OVERFLOW))  # inotify's overflow names no directory
         else:
-            self._pending.append(Event(PLUGIN_DIR, name, _MASKS[kind]))
+            self._pending.append(DirEvent(PLUGIN_DIR, name, _MASKS[kind]))
         if self._delivery_at is None:  # the daemon reads a batch after a while: events pile up
             self._delivery_at = self.w.now + self.w.delay()
             self.w.after(self._delivery_at - self.w.now, self._deliver)
@@ -429,12 +429,12 @@ class AtedevdProcess:
             for server in r.performer.servers.values():
                 server.stop(unlink=False)
 
-    def fs_events(self, batch: List[Event]) -> None:
+    def fs_events(self, batch: List[DirEvent]) -> None:
         if self.alive:
             self.node.on_directory_events(batch, self.w.now)
             self.woke()
 
-    def device_events(self, batch: List[Event]) -> None:
+    def device_events(self, batch: List[DirEvent]) -> None:
         """inotify's events from the nodes' directories (the udev model's), read a while after."""
         self.udev_pending -= 1
         self.fs_events(batch)
