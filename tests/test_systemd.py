@@ -530,7 +530,7 @@ def test_the_let_go_wait_sees_kubelets_connection_from_inside_the_sandbox(clean)
         node.run("rm", f"{PLUGIN_DIR}/{state['endpoint']}")  # our socket deleted: a handover, kubelet stays up
         state = wait_registered(node, state["registrations"] + 1)
         text = wait_journal(node, cur, lambda s: "kubelet let go of our old socket" in s, "the let-go wait's end", "-o", "cat")
-        assert re.search(r"kubelet let go of our old socket after \d+ ms \(confirm\)", text), text
+        assert re.search(r"kubelet let go of our old socket after \d+ ms \(confirm, \d+ count", text), text
         texts.append(text)
         if re.search(r"kubelet holds [1-9]\d* connection\(s\) to our old socket", text):
             break
