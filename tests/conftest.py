@@ -20,6 +20,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: seconds of its own; `make check` (the fast layer) leaves it out")
 
 
+def pytest_collection_finish(session):
+    """The rootfs the selected tests' modules name (`ROOTFS = (...)`), built in the background
+    from the start of the session: a fresh machine has none (tests/container.py)."""
+    specs = [spec for module in dict.fromkeys(item.module for item in session.items if getattr(item, "module", None))
+             for spec in getattr(module, "ROOTFS", ())]
+    if specs and not session.config.option.collectonly:
+        from tests import container
+        container.prefetch(specs)
+
+
 def pytest_generate_tests(metafunc):
     given = any("kubelet_mode" in m.args[0] for m in metafunc.definition.iter_markers("parametrize"))
     if "kubelet_mode" in metafunc.fixturenames and not given:

@@ -46,6 +46,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,6 +173,37 @@ def bootstrap_argv(spec: RootfsSpec, dest: Path) -> list:
                  '--customize-hook=chroot "$1" apt-get install -y -qq --download-only --no-install-recommends '
                  + " ".join(spec.download)]
     return argv + [spec.suite, str(dest), MIRROR]
+
+
+_prefetch: Optional[threading.Thread] = None
+
+
+def prefetch(specs: Sequence[RootfsSpec]) -> None:
+    """Build the rootfs of `specs` that are not cached yet, one after the other, in a thread
+    of this process, while the tests that need none run (a build is half waiting: the mirror
+    and the disk). A test that needs one waits for it in cached_rootfs (the lock); a build
+    that fails here fails again there, in that test. Needs root and mmdebstrap; else a no-op."""
+    global _prefetch
+    wanted = [s for s in dict.fromkeys(specs) if not (CACHE_DIR / f"{s.suite}-{s.name}-{s.key()}").is_dir()]
+    if not wanted or _prefetch is not None or os.geteuid() != 0 or shutil.which("mmdebstrap") is None:
+        return
+
+    def build() -> None:
+        for spec in wanted:
+            try:
+                cached_rootfs(spec)
+            except Exception:  # noqa: BLE001 - the test that needs it meets it again
+                pass
+
+    _prefetch = threading.Thread(target=build, name="rootfs-prefetch", daemon=True)
+    _prefetch.start()
+
+
+def prefetch_done() -> None:
+    """Wait until the builds `prefetch` began are over: before a test whose timing another
+    build's CPU and disk would disturb (the boot)."""
+    if _prefetch is not None:
+        _prefetch.join()
 
 
 def _prepare(root: Path, spec: RootfsSpec) -> None:

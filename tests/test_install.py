@@ -56,6 +56,8 @@ WANTS = "/etc/systemd/system/multi-user.target.wants/atedevd.service"
 
 # suite -> its python3, for the self-contained packages
 BUNDLED = {"bullseye": "3.9", "bookworm": "3.11", "trixie": "3.13"}
+# built in the background from the session's start, in the order the tests need them (conftest.py)
+ROOTFS = (clean("bookworm"), clean("trixie"), bare("bullseye"))
 TIMINGS = {}  # unit start -> registered, per cell, printed at the end (pytest -s) and asserted <= 2 s
 
 

@@ -40,6 +40,7 @@ from tests.container import (
     wait_until,
 )
 
+ROOTFS = (FULL,)  # built in the background from the session's start (conftest.py)
 DROPIN_DIR = "/etc/systemd/system/atedevd.service.d"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "/etc/atedevd/config.toml"

@@ -30,6 +30,7 @@ from tests.container import (
 from tests.harness import crash_when_file_appears
 from tests.metrics_scrape import NodeExporter, value
 
+ROOTFS = (FULL,)  # built in the background from the session's start (conftest.py)
 TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"  # what prometheus-node-exporter's package creates
 
 
