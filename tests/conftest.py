@@ -30,6 +30,11 @@ def pytest_collection_finish(session):
         container.prefetch(specs)
 
 
+def pytest_sessionfinish(session):
+    from tests import container
+    container.prefetch_done(stop=True)
+
+
 def pytest_generate_tests(metafunc):
     given = any("kubelet_mode" in m.args[0] for m in metafunc.definition.iter_markers("parametrize"))
     if "kubelet_mode" in metafunc.fixturenames and not given:

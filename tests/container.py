@@ -176,6 +176,7 @@ def bootstrap_argv(spec: RootfsSpec, dest: Path) -> list:
 
 
 _prefetch: Optional[threading.Thread] = None
+_prefetch_stop = threading.Event()
 
 
 def prefetch(specs: Sequence[RootfsSpec]) -> None:
@@ -190,6 +191,8 @@ def prefetch(specs: Sequence[RootfsSpec]) -> None:
 
     def build() -> None:
         for spec in wanted:
+            if _prefetch_stop.is_set():
+                return
             try:
                 cached_rootfs(spec)
             except Exception:  # noqa: BLE001 - the test that needs it meets it again
@@ -199,9 +202,12 @@ def prefetch(specs: Sequence[RootfsSpec]) -> None:
     _prefetch.start()
 
 
-def prefetch_done() -> None:
+def prefetch_done(stop: bool = False) -> None:
     """Wait until the builds `prefetch` began are over: before a test whose timing another
-    build's CPU and disk would disturb (the boot)."""
+    build's CPU and disk would disturb (the boot); `stop`: only the one under way (the
+    session ends: a build left running would outlive it, holding no lock)."""
+    if stop:
+        _prefetch_stop.set()
     if _prefetch is not None:
         _prefetch.join()
 
