@@ -20,6 +20,17 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: seconds of its own; `make check` (the fast layer) leaves it out")
 
 
+# Files whose tests take minutes, run first: `make test` hands files to its workers in this
+# order (pytest-xdist), and a long one begun last would run on alone at the end.
+FIRST = ("test_simulation.py", "test_install.py", "test_registration.py", "test_packaging.py", "test_daemon.py",
+         "test_faults.py", "test_cri_runtime.py", "test_systemd.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+
+
 def pytest_collection_finish(session):
     """The rootfs the selected tests' modules name (`ROOTFS = (...)`), built in the background
     from the start of the session: a fresh machine has none (tests/container.py)."""
