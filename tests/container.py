@@ -463,7 +463,9 @@ def reap_stale() -> None:
                 if init:
                     _kill(init)
                 _kill(nspawn)
-                time.sleep(0.5)
+                deadline = time.monotonic() + 5
+                while _alive(nspawn) and time.monotonic() < deadline:  # gone, and its mounts with it
+                    time.sleep(0.05)
         except (OSError, ValueError):
             pass
         _teardown_dir(d)

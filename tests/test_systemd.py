@@ -244,7 +244,7 @@ def test_reload_keeps_the_registration(clean):
     wait_journal(node, cur, lambda s: '"ATEDEVD_EVENT":"reloaded"' in s, "the reloaded event", "-o", "json")
     wait_until(lambda: (standin_state(node)["resources"].get("ate.dev/tun") or {}).get("healthy") == 8, 20,
                "the reloaded config's second device registered", lambda: f"{standin_state(node)}\n{diagnostics(node)}")
-    time.sleep(1.5)  # give a dropped registration the time to show
+    time.sleep(1.5)  # a window is what is asserted: a dropped registration would show in it
     kvm = resource_state(node)
     assert kvm["registrations"] == before and kvm["connected"], kvm
 
@@ -267,7 +267,8 @@ def test_watchdog_kills_a_stopped_loop(clean):
     dropin(node, "watchdog", "[Service]\nWatchdogSec=3s\n")
     before = start_and_register(node)["registrations"]
     pid = node.main_pid()
-    # Alive and pinging: more than twice the 3 s limit later, still the same process, never restarted.
+    # Alive and pinging: more than twice the 3 s limit later, still the same process, never restarted
+    # (the window is what is asserted).
     time.sleep(7)
     assert (node.main_pid(), node.show("atedevd", "NRestarts")["NRestarts"]) == (pid, "0"), diagnostics(node)
     cur = cursor(node)
@@ -304,7 +305,9 @@ def test_broken_config_fails_once_with_a_clear_message(clean):
     assert p.returncode != 0
     show = node.show("atedevd", "ActiveState", "Result", "ExecMainStatus", "NRestarts")
     assert show == {"ActiveState": "failed", "Result": "exit-code", "ExecMainStatus": "78", "NRestarts": "0"}, show
-    time.sleep(3)  # three RestartSec= periods: a restart loop would have begun by now
+    # A window is what is asserted: with RestartSec=0 a restart is scheduled as the failure is
+    # handled and comes 15-60 ms later (docs/design.md); none in 1 s.
+    time.sleep(1)
     show = node.show("atedevd", "ActiveState", "NRestarts")
     assert show == {"ActiveState": "failed", "NRestarts": "0"}, show
     status = ""
