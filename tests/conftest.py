@@ -2,7 +2,7 @@
 
 The `kubelet` fixture models the newest kubelet ("current"); tests marked
 `registration` (and every test in test_registration.py) run against each
-kubelet version the stand-in models (tests.kubelet_standin.MODES).
+kubelet version the stand-in models (rig.kubelet_standin.MODES).
 """
 
 import os
@@ -11,8 +11,8 @@ import tempfile
 
 import pytest
 
-from tests.harness import Daemon, fake_dev_root, wait_until
-from tests.kubelet_standin import MODES, Kubelet
+from rig.harness import Daemon, fake_dev_root, wait_until
+from rig.kubelet_standin import MODES, Kubelet
 
 
 def pytest_configure(config):
@@ -33,16 +33,16 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_collection_finish(session):
     """The rootfs the selected tests' modules name (`ROOTFS = (...)`), built in the background
-    from the start of the session: a fresh machine has none (tests/container.py)."""
+    from the start of the session: a fresh machine has none (rig/container.py)."""
     specs = [spec for module in dict.fromkeys(item.module for item in session.items if getattr(item, "module", None))
              for spec in getattr(module, "ROOTFS", ())]
     if specs and not session.config.option.collectonly:
-        from tests import container
+        from rig import container
         container.prefetch(specs)
 
 
 def pytest_sessionfinish(session):
-    from tests import container
+    from rig import container
     container.prefetch_done(stop=True)
 
 

@@ -17,8 +17,8 @@ import pytest
 
 from atedevd.api import DevicePluginStub, pb
 from atedevd.plugin import STREAMS_PER_RESOURCE
-from tests.harness import OUR_SOCKETS, RESOURCE, current_socket, inotify_watched, our_files, plugin_sockets, wait_until
-from tests.kubelet_standin import Kubelet
+from rig.harness import OUR_SOCKETS, RESOURCE, current_socket, inotify_watched, our_files, plugin_sockets, wait_until
+from rig.kubelet_standin import Kubelet
 
 # ate.dev_kvm.<instance>-<n>.sock (a new name per registration), or the oldest fixed ate.dev-kvm.sock
 OUR_SOCKET = re.compile(r"ate\.dev_kvm\.[a-z0-9]+-[0-9]+\.sock|ate\.dev-kvm\.sock")

@@ -22,9 +22,9 @@ import grpc
 import pytest
 
 from atedevd.api import DevicePluginStub, pb
-from tests.harness import OUR_SOCKETS, RESOURCE, current_socket, our_files, plugin_sockets, wait_until
+from rig.harness import OUR_SOCKETS, RESOURCE, current_socket, our_files, plugin_sockets, wait_until
 from tests.hostile_kubelet import HostileKubelet, RawKubelet
-from tests.kubelet_standin import Kubelet
+from rig.kubelet_standin import Kubelet
 
 
 def allocates(socket_path: str) -> bool:

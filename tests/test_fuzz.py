@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from atedevd.api import DevicePluginStub, pb
 from bench.rig import fds, rss_kib, threads
-from tests.harness import REPO, RESOURCE, Daemon, current_socket, fake_dev_root, wait_until
+from rig.harness import REPO, RESOURCE, Daemon, current_socket, fake_dev_root, wait_until
 from tests.hostile_kubelet import PREFACE, SETTINGS
-from tests.kubelet_standin import Kubelet
+from rig.kubelet_standin import Kubelet
 from tests import trimmed
 
 VALID = [f"kvm-{i}" for i in range(1024)]

@@ -9,7 +9,7 @@ import subprocess
 import grpc
 import pytest
 
-from tests.harness import RESOURCE, plugin_sockets, wait_until
+from rig.harness import RESOURCE, plugin_sockets, wait_until
 
 KVM_VHOST_FUSE = """
 [[device]]

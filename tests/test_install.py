@@ -9,7 +9,7 @@ The matrix (Debian suites stand in for other distributions' Python stacks):
 
 Both are built from the working tree (`make deb`, `make deb DEB_REVISION=2`,
 `make rpm`, into a temporary DIST_DIR) and installed into the CLEAN rootfs of
-tests/container.py: Debian bookworm with systemd but without Python or any of
+rig/container.py: Debian bookworm with systemd but without Python or any of
 atedevd's dependencies. Those are only in apt's cache there, downloaded from
 Debian's mirror when the rootfs was built, and the container has no network:
 so `apt install ./atedevd.deb` proves the package's Depends name Debian's own
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.container import (
+from rig.container import (
     PLUGIN_DIR,
     RESOURCE,
     RUNTIME_PACKAGES,
@@ -49,7 +49,7 @@ from tests.container import (
     wait_registered,
     wait_until,
 )
-from tests.package_upgrade import CONFIG, DEBS, METRICS_DIR, VERSION, apt_install, build_deb, deb_version, make, \
+from rig.package_upgrade import CONFIG, DEBS, METRICS_DIR, VERSION, apt_install, build_deb, deb_version, make, \
     print_timeline, start_kubelet, upgrade
 
 REPO = Path(__file__).resolve().parent.parent

@@ -21,8 +21,8 @@ from typing import Optional
 
 import pytest
 
-from tests.harness import RESOURCE, current_socket, plugin_sockets, wait_until
-from tests.kubelet_standin import DELAY_STEPS, Kubelet
+from rig.harness import RESOURCE, current_socket, plugin_sockets, wait_until
+from rig.kubelet_standin import DELAY_STEPS, Kubelet
 
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
 MAX_DELAY = 0.25  # per kubelet step: beyond the old 50 ms settle and every poll of ours

@@ -1,4 +1,4 @@
-"""atedevd.service under a real systemd: a booted Debian bookworm container (tests/container.py).
+"""atedevd.service under a real systemd: a booted Debian bookworm container (rig/container.py).
 
 The working tree's daemon, unit and kubelet stand-in are installed in it; one boot
 serves the whole module. Every test starts from the same state (the `clean`
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.container import (
+from rig.container import (
     FULL,
     PLUGIN_DIR,
     RESOURCE,

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from tests.harness import REPO, RESOURCE, wait_until
-from tests.kubelet_standin import AdmissionLog
+from rig.harness import REPO, RESOURCE, wait_until
+from rig.kubelet_standin import AdmissionLog
 
 LINE = "ERROR upgrade: the new atedevd failed"
 

@@ -7,8 +7,8 @@ is not registered and healthy by then fails (UnexpectedAdmissionError, never ret
 kubernetes #125579, #128043). atedevd starts before kubelet.service (Before=, Type=notify)
 so that it is waiting when kubelet first serves.
 
-The node is tests/container.py's overlay, powered off and booted again (/run and /tmp new,
-/etc and /var kept: a reboot). The stand-in is tests/container_admission_standin.py: its
+The node is rig/container.py's overlay, powered off and booted again (/run and /tmp new,
+/etc and /var kept: a reboot). The stand-in is rig/container_admission_standin.py: its
 checkpoint from the boot before lists the resources, so they come back with 0 healthy, and
 its pod list holds pods that had units of them (and one new pod), all admitted in one batch
 FIRST_ADMISSION_S after kubelet.sock appears.
@@ -27,7 +27,7 @@ import statistics
 import time
 from typing import Dict, List
 
-from tests.container import (
+from rig.container import (
     PLUGIN_DIR,
     STANDIN_STATE,
     TEST_LIB,
@@ -37,7 +37,7 @@ from tests.container import (
     standin_state,
     wait_until,
 )
-from tests.kubelet_standin import CHECKPOINT
+from rig.kubelet_standin import CHECKPOINT
 
 FIRST_ADMISSION_S = 0.040
 KVM = "ate.dev/kvm"

@@ -52,7 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
-REPO = Path(__file__).resolve().parent.parent
+RIG = Path(__file__).resolve().parent
+REPO = RIG.parent
 SUITE = "bookworm"  # the default suite: Debian 12, the runtime floor
 SUITES = ("bullseye", "bookworm", "trixie")
 MIRROR = os.environ.get("ATEDEVD_TEST_MIRROR", "http://deb.debian.org/debian")
@@ -505,8 +506,8 @@ def install_project(node: Container) -> None:
 
 def install_test_helpers(node: Container) -> None:
     for helper in ("kubelet_standin.py", "node_agent.py"):
-        node.copy_in(REPO / "tests" / helper, f"{TEST_LIB}/{helper}")
-    for helper in (REPO / "tests").glob("container_*.py"):
+        node.copy_in(RIG / helper, f"{TEST_LIB}/{helper}")
+    for helper in RIG.glob("container_*.py"):
         node.copy_in(helper, f"{TEST_LIB}/{helper.name}")
 
 
