@@ -144,12 +144,16 @@ def cached_rootfs(spec: RootfsSpec = FULL) -> Path:
     if dest.is_dir():
         return dest
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with open(CACHE_DIR / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others then find it built
+    # One builder at a time; the others then find it built. A POSIX lock (lockf), not flock:
+    # a process forked meanwhile (the simulation's workers) would hold a flock for as long as
+    # it lives, and a POSIX lock is the process's own, so the threads (prefetch) take turns
+    # on _BUILDING first.
+    with _BUILDING, open(CACHE_DIR / ".lock", "w") as lock:
+        fcntl.lockf(lock, fcntl.LOCK_EX)
         if dest.is_dir():
             return dest
         for stale in CACHE_DIR.glob(".build-*"):  # an interrupted build, never renamed into place
-            shutil.rmtree(stale, ignore_errors=True)
+            _remove_build(stale)
         tmp = Path(tempfile.mkdtemp(prefix=f".build-{dest.name}-", dir=CACHE_DIR))
         try:
             os.chmod(tmp, 0o755)
@@ -157,9 +161,23 @@ def cached_rootfs(spec: RootfsSpec = FULL) -> Path:
             _prepare(tmp, spec)
             os.rename(tmp, dest)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_build(tmp)
             raise
     return dest
+
+
+_BUILDING = threading.Lock()
+
+
+def _remove_build(path: Path) -> None:
+    """A build's directory, with what mmdebstrap had mounted in it (/proc, /sys, /dev/pts
+    of a build that was killed) unmounted first."""
+    inside = str(path) + "/"
+    with open("/proc/self/mounts") as f:
+        mounts = [line.split()[1] for line in f]
+    for point in sorted((m for m in mounts if m.startswith(inside)), reverse=True):
+        subprocess.run(["umount", "--lazy", point], capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def bootstrap_argv(spec: RootfsSpec, dest: Path) -> list:
