@@ -4,6 +4,11 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: deps demo check test test-latest bench bench-lifecycle bench-units bench-upgrade bench-boot bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
 
+# Test files run in parallel by `make check` and `make test` (python3-pytest-xdist, one of
+# `make deps`; without it they run one after the other).
+JOBS ?= 2
+XDIST = $$($(PYTHON) -c 'import xdist' 2>/dev/null && echo '-n $(JOBS) --dist loadfile')
+
 # Debian 12's own packages: the runtime floor we test, and the tools the tests drive.
 deps:
 	@packaging/install-deps
@@ -11,19 +16,25 @@ deps:
 demo: deps
 	$(PYTHON) -m tests.demo
 
-# The fast layer, for contributors: about a minute and a half (545 tests), no root, no container, no debootstrap.
+# The fast layer, for contributors: about a minute (its count and time are printed), no root, no container, no rootfs.
 # Unit tests and the daemon as a process against the kubelet stand-in. Left to `make test`:
 # the registration matrix and the fault injection (minutes), the fuzzing, user namespaces,
-# the packages, the real-systemd containers, and the few tests marked `slow`.
+# the packages, the real-systemd containers, and the few tests marked `slow` (each several
+# seconds of its own: the restart storm, the 10,000 refused Registers, WARN_AFTER_S).
+# pytest prints the count and the time taken last, and the slowest tests above them.
 FAST_TESTS := tests/test_api.py tests/test_cdi.py tests/test_check.py tests/test_check_json.py tests/test_check_pods.py tests/test_cli.py tests/test_config.py \
 	tests/test_crash.py tests/test_daemon.py tests/test_docs.py tests/test_exclusive.py tests/test_handoff.py tests/test_health.py tests/test_journal.py tests/test_layout.py tests/test_machine.py tests/test_registration_parts.py \
 	tests/test_metrics.py tests/test_patterns.py tests/test_pod_resources.py tests/test_policy.py tests/test_record.py tests/test_simulation.py tests/test_unit_static.py tests/test_watch.py \
 	tests/test_invariants.py tests/test_lists.py
 check:
-	SIM_ROUNDS=500 $(PYTHON) -m pytest -q -p no:cacheprovider -m "not slow" $(FAST_TESTS)
+	SIM_ROUNDS=500 $(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m "not slow" $(FAST_TESTS)
 
+# The whole suite, JOBS test files at a time (pytest-xdist; one worker per file, so a
+# module's container or kubelet is its own), the slowest first (tests/conftest.py). Then the
+# boot alone: its margins are milliseconds, which another test's CPU and disk would take.
 test: deps
-	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 tests
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) --durations=25 --ignore=tests/test_boot.py tests
+	$(PYTHON) -m pytest -q -p no:cacheprovider -s tests/test_boot.py
 	$(MAKE) test-latest
 
 # The core suite again on the newest grpcio/protobuf from PyPI (the ceiling).

@@ -123,13 +123,20 @@ class Process:
         if dirs is not None:
             self._out.append(WatchDirectories(dirs))
         due = self.start_work_due
-        if due is not None and (now >= due or self.node.stopping or self.node.registers_sent()):
+        if due is not None and (now >= due or self.node.stopping or self.node.registers_sent() or self._kubelet_away()):
             self.start_work_due = None
             self._out.append(StartWork())
         self.upgrade_steps(now)
         self._changed()
         out, self._out = self._out, []
         return out
+
+    def _kubelet_away(self) -> bool:
+        """Nothing can be registered now: no kubelet.sock, or one nobody accepts on (the one
+        a kubelet left at a reboot). The deferred work is then done before kubelet comes, not
+        while it dials back (at boot it starts after our READY)."""
+        kubelet = self.node.kubelet
+        return not kubelet.serving or not self.host.listening(kubelet.socket)
 
     def deadline(self) -> Optional[float]:
         """When `wake` is due next for a timer of ours."""

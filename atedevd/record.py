@@ -38,7 +38,7 @@ def _own_fields(cls: type) -> Tuple[str, ...]:
     return tuple(_class_annotations.__get__(cls))
 
 
-_class_annotations = vars(type)["__annotations__"]
+_class_annotations = vars(type).get("__annotations__")  # (Python 3.9 has none: the class's own dict there)
 
 
 @dataclass_transform(eq_default=True, frozen_default=True)

@@ -14,8 +14,8 @@ from typing import List, Optional, Tuple
 
 from atedevd.plugin import PRESTARTED_WORKERS as WORKERS
 from bench.rig import BusyCore, Rig, TimedKubelet, cpu_seconds, percentile, snapshot
-from tests.harness import OUR_SOCKETS, REPO, RESOURCE, current_socket, our_files
-from tests.kubelet_standin import MODES
+from rig.harness import OUR_SOCKETS, REPO, RESOURCE, current_socket, our_files
+from rig.kubelet_standin import MODES
 
 Row = Tuple[str, str, str, str, str]
 MiB = 1024

@@ -1,5 +1,5 @@
 """The node's boot: kubelet's first batch of pods after a real boot, won or lost, per kubelet
-model, with the default resource and with 16 (tests/node_boot.py: one overlay of the FULL
+model, with the default resource and with 16 (rig/node_boot.py: one overlay of the FULL
 Debian 12 rootfs, powered off and booted again; atedevd and the kubelet stand-in as
 kubelet.service enabled; kubelet's first batch FIRST_ADMISSION_S after kubelet.sock).
 tests/test_boot.py asserts the default resource's 20 of 20; here the margins are printed,
@@ -12,7 +12,7 @@ import sys
 from typing import List, Tuple
 
 from bench.upgrade import unavailable, verdict
-from tests.kubelet_standin import MODES
+from rig.kubelet_standin import MODES
 
 Row = Tuple[str, str, str, str, str]
 TOOLS = ("systemd-nspawn", "nsenter", "mount")
@@ -23,8 +23,8 @@ def run(boots: int, modes=MODES) -> List[Row]:
     if why:
         print(f"  boot: NOT RUN: {why}", file=sys.stderr, flush=True)
         return [("boot", "kubelet's first batch after a boot: not run", why, "", "SKIP")]
-    from tests import node_boot as nb
-    from tests.container import FULL, Container, cached_rootfs
+    from rig import node_boot as nb
+    from rig.container import FULL, Container, cached_rootfs
 
     rows: List[Row] = []
     config, many, many_pods = nb.many()
@@ -49,7 +49,7 @@ def run(boots: int, modes=MODES) -> List[Row]:
 
 
 def boot_rows(mode: str, what: str, results: List[dict]) -> List[Row]:
-    from tests import node_boot as nb
+    from rig import node_boot as nb
 
     n = len(results)
     lost = [b for b in results if nb.rejected_pods(b)]

@@ -29,7 +29,7 @@ to pod-resources. The events:
 socket-deleted and stream-ended rounds come after a stable registration (more than the
 daemon's STABLE_AFTER_S): an early stream end backs off on purpose. The stand-in limits
 pod-resources as kubelet does (100 a second, burst 10, all clients together); with
-`limit`, a node agent (tests/node_agent.py, a process of its own) polls it 80 times a
+`limit`, a node agent (rig/node_agent.py, a process of its own) polls it 80 times a
 second beside atedevd. The rows say how many of atedevd's calls were refused.
 """
 
@@ -44,9 +44,9 @@ import grpc
 
 from atedevd.registration.machine import STABLE_AFTER_S
 from bench.rig import BusyCore, Rig, percentile
-from tests import node_agent
-from tests.harness import REPO, RESOURCE, current_socket
-from tests.kubelet_standin import MODES, POD_PERIOD_S, KubeletError
+from rig import node_agent
+from rig.harness import REPO, RESOURCE, current_socket
+from rig.kubelet_standin import MODES, POD_PERIOD_S, KubeletError
 
 Row = Tuple[str, str, str, str, str]
 EVENTS = ("kubelet-restart", "kubelet-listen-gap", "daemon-sigterm", "daemon-kill-9", "reload-unchanged",
@@ -54,7 +54,7 @@ EVENTS = ("kubelet-restart", "kubelet-listen-gap", "daemon-sigterm", "daemon-kil
 UNITS = 1024
 LISTEN_GAP_MAX = 0.005
 END_STATE_TIMEOUT = 20.0
-OURS = "grpc-python"  # atedevd's calls to pod-resources, as the stand-in counts them (tests.kubelet_standin._client_of)
+OURS = "grpc-python"  # atedevd's calls to pod-resources, as the stand-in counts them (rig.kubelet_standin._client_of)
 PERMISSIONS = ("rw", "rwm")
 SETTLE_S = 0.25  # a reload's end state must hold this long (Lifecycle._settled)
 
@@ -459,7 +459,7 @@ def relay_cost(n: int) -> Tuple[List[Row], float]:
     import grpc
 
     from atedevd.api import RegistrationStub, pb
-    from tests.kubelet_standin import Kubelet
+    from rig.kubelet_standin import Kubelet
 
     root = tempfile.mkdtemp(prefix="atebench-", dir="/tmp")
     k = Kubelet(os.path.join(root, "device-plugins"), pod_resources=False, listen_gap=1e-6)  # a gap: the relay
@@ -489,18 +489,18 @@ def relay_cost(n: int) -> Tuple[List[Row], float]:
 
 
 def standin_let_go(n: int) -> List[Row]:
-    """The stand-in's own part of a let-go: a plugin in this process (tests/tiny_plugin.py)
+    """The stand-in's own part of a let-go: a plugin in this process (rig/tiny_plugin.py)
     registers and ends its stream; from that end, when its server no longer holds kubelet's
     connection (atedevd.sockets.held_connections: what the daemon's let-go wait reads), and
     when the stand-in has marked the devices unhealthy (its teardown done). A real kubelet
     1.32 does both within 0.1-2.3 ms; a Python gRPC channel closed within 0.2 s of its dial
-    used to stay connected up to 0.2 s longer (see tests/kubelet_standin.py's _dial)."""
+    used to stay connected up to 0.2 s longer (see rig/kubelet_standin.py's _dial)."""
     import shutil
     import tempfile
 
     from atedevd.sockets import held_connections
-    from tests.kubelet_standin import Kubelet
-    from tests.tiny_plugin import Plugin, register
+    from rig.kubelet_standin import Kubelet
+    from rig.tiny_plugin import Plugin, register
 
     root = tempfile.mkdtemp(prefix="atebench-", dir="/tmp")
     plugin_dir = os.path.join(root, "device-plugins")

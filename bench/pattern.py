@@ -14,7 +14,7 @@ import time
 from typing import List, Tuple
 
 from bench.rig import Rig, TimedKubelet, percentile
-from tests.harness import RESOURCE, current_socket
+from rig.harness import RESOURCE, current_socket
 
 Row = Tuple[str, str, str, str, str]
 PATTERN = "ate.dev/serial"

@@ -11,8 +11,8 @@ import tempfile
 import time
 from typing import Optional
 
-from tests.harness import REPO, RESOURCE, Daemon, current_socket, fake_dev_root
-from tests.kubelet_standin import Kubelet
+from rig.harness import REPO, RESOURCE, Daemon, current_socket, fake_dev_root
+from rig.kubelet_standin import Kubelet
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -13,7 +13,7 @@ from typing import List, Tuple
 
 from bench.lifecycle import stats, write_config
 from bench.rig import Rig, TimedKubelet, percentile, rss_kib
-from tests.harness import RESOURCE
+from rig.harness import RESOURCE
 
 Row = Tuple[str, str, str, str, str]
 COUNTS = (256, 1024, 4096, 16384)

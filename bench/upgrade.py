@@ -3,11 +3,11 @@ row that needs the packages and a booted node (bench.lifecycle has the others).
 
 The .deb is built from the working tree once per revision (`make deb DEB_REVISION=N`:
 1, then one newer revision per round), and installed into the CLEAN Debian 12 rootfs of
-tests/container.py, booted with systemd 252. The kubelet stand-in runs as kubelet in a
-unit of its own, outside atedevd's (tests/container_admission_standin.py), recording every
+rig/container.py, booted with systemd 252. The kubelet stand-in runs as kubelet in a
+unit of its own, outside atedevd's (rig/container_admission_standin.py), recording every
 millisecond whether kubelet would admit a pod requesting ate.dev/kvm. Each round is
 `apt-get install ./atedevd_<version>-<N+1>_all.deb` over the running, registered daemon
-(tests.package_upgrade.upgrade): the time kubelet would have rejected such a pod from the
+(rig.package_upgrade.upgrade): the time kubelet would have rejected such a pod from the
 command's start until the new process is registered, healthy and counted by kubelet, the
 Register calls kubelet saw, and the end state (exactly one new registration, one live
 stream, allocatable = 1024, the old process and its sockets gone, no warning in the
@@ -15,7 +15,7 @@ journal). Per kubelet mode; the first round's timeline, and every round's window
 stderr.
 
 Needs root, systemd-nspawn, nsenter and Debian's package build tools (`make deps`); the
-rootfs cache is built on first use (tests/container.py). Without them the row says it was
+rootfs cache is built on first use (rig/container.py). Without them the row says it was
 not run, and why.
 """
 
@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 from bench.lifecycle import kind, stats
 from bench.rig import percentile
-from tests.kubelet_standin import MODES
+from rig.kubelet_standin import MODES
 
 Row = Tuple[str, str, str, str, str]
 TOOLS = ("systemd-nspawn", "nsenter", "mount", "dpkg-buildpackage", "make")
@@ -53,8 +53,8 @@ def run(rounds: int, modes=MODES) -> List[Row]:
     if why:
         print(f"  upgrade: NOT RUN: {why}", file=sys.stderr, flush=True)
         return [("upgrade", "package upgrade under systemd: not run", why, "", "SKIP")]
-    from tests import package_upgrade as pu
-    from tests.container import Container, cached_rootfs, clean, fake_kvm, install_test_helpers
+    from rig import package_upgrade as pu
+    from rig.container import Container, cached_rootfs, clean, fake_kvm, install_test_helpers
 
     dist = Path(tempfile.mkdtemp(prefix="atebench-debs-", dir="/tmp"))
     try:

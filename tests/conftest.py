@@ -2,7 +2,7 @@
 
 The `kubelet` fixture models the newest kubelet ("current"); tests marked
 `registration` (and every test in test_registration.py) run against each
-kubelet version the stand-in models (tests.kubelet_standin.MODES).
+kubelet version the stand-in models (rig.kubelet_standin.MODES).
 """
 
 import os
@@ -11,13 +11,39 @@ import tempfile
 
 import pytest
 
-from tests.harness import Daemon, fake_dev_root, wait_until
-from tests.kubelet_standin import MODES, Kubelet
+from rig.harness import Daemon, fake_dev_root, wait_until
+from rig.kubelet_standin import MODES, Kubelet
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "registration: run against every kubelet version the stand-in models")
     config.addinivalue_line("markers", "slow: seconds of its own; `make check` (the fast layer) leaves it out")
+
+
+# Files whose tests take minutes, run first: `make test` hands files to its workers in this
+# order (pytest-xdist), and a long one begun last would run on alone at the end.
+FIRST = ("test_simulation.py", "test_install.py", "test_registration.py", "test_packaging.py", "test_daemon.py",
+         "test_faults.py", "test_cri_runtime.py", "test_systemd.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+
+
+def pytest_collection_finish(session):
+    """The rootfs the selected tests' modules name (`ROOTFS = (...)`), built in the background
+    from the start of the session: a fresh machine has none (rig/container.py)."""
+    specs = [spec for module in dict.fromkeys(item.module for item in session.items if getattr(item, "module", None))
+             for spec in getattr(module, "ROOTFS", ())]
+    if specs and not session.config.option.collectonly:
+        from rig import container
+        container.prefetch(specs)
+
+
+def pytest_sessionfinish(session):
+    from rig import container
+    container.prefetch_done(stop=True)
 
 
 def pytest_generate_tests(metafunc):

@@ -1,4 +1,4 @@
-"""The crash window under a real systemd (Debian 12's 252, booted in nspawn: tests/container.py).
+"""The crash window under a real systemd (Debian 12's 252, booted in nspawn: rig/container.py).
 
     /usr/bin/python3 -m tests.crash_timing [--kills 10] [--loop 60]
 
@@ -22,7 +22,7 @@ from typing import List
 
 from atedevd import restarts
 from bench.rig import percentile
-from tests.container import (
+from rig.container import (
     FULL,
     RESOURCE,
     Container,

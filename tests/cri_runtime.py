@@ -1,7 +1,7 @@
 """containerd 1.7 driven through the CRI, the way kubelet drives it: a pod sandbox, a container in
 it with the Devices and CDI_devices an Allocate answer gave, its exit and its log.
 
-Debian 13's containerd (1.7.24) and runc (1.1.15) run from a cached trixie rootfs (tests/container.py
+Debian 13's containerd (1.7.24) and runc (1.1.15) run from a cached trixie rootfs (rig/container.py
 builds it with debootstrap) in an overlay, in a mount and network namespace of their own: the test's
 CDI spec directory is bound over the rootfs's /run/cdi and its device node over the host's /dev/kvm
 (runc binds the host's node at the container path into a user namespace); pivot_root, not chroot,
@@ -26,7 +26,7 @@ from typing import Dict, Optional, Sequence
 import grpc
 
 from tests import oci_runtime
-from tests.container import Container, RootfsSpec, cached_rootfs
+from rig.container import Container, RootfsSpec, cached_rootfs
 from tests.cri_api import cri_pb2 as cri
 
 ROOTFS = RootfsSpec("containerd", ("containerd", "runc", "containernetworking-plugins"), suite="trixie")

@@ -13,8 +13,8 @@ import tempfile
 import threading
 import time
 
-from tests.harness import RESOURCE, Daemon, fake_dev_root
-from tests.kubelet_standin import Kubelet
+from rig.harness import RESOURCE, Daemon, fake_dev_root
+from rig.kubelet_standin import Kubelet
 
 
 def say(text: str) -> None:

@@ -17,7 +17,7 @@ from typing import List
 import grpc
 
 from atedevd.api import DevicePluginStub, pb
-from tests.kubelet_standin import _DIAL_OPTIONS, Kubelet
+from rig.kubelet_standin import _DIAL_OPTIONS, Kubelet
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"

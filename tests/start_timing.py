@@ -2,7 +2,7 @@
 
     /usr/bin/python3 -m tests.start_timing [--runs 20] [--kill] [--trace | --compare TREE]
 
-Each run starts `atedevd run` as a process (tests/harness.py, the unit's
+Each run starts `atedevd run` as a process (rig/harness.py, the unit's
 Environment=, the shipped etc/config.toml) with the stand-in up, stamps the moment Register arrives in the
 stand-in, reads its resident set 0.7 s later (--compare prints it), then stops the daemon: SIGTERM, or SIGKILL with --kill (the next start
 then finds the dead run's sockets). `start` is the moment before the fork.
@@ -27,7 +27,7 @@ import time
 from typing import Dict, List
 
 from bench.rig import Rig, percentile, rss_kib
-from tests.harness import RESOURCE
+from rig.harness import RESOURCE
 
 # What no start can avoid: the interpreter, grpc and protobuf (with our generated messages).
 FLOOR = "import grpc; from atedevd.api import deviceplugin_pb2; import os; os._exit(0)"

@@ -1,4 +1,4 @@
-"""The node's boot, won: BOOTS real boots per kubelet model (tests/node_boot.py says how),
+"""The node's boot, won: BOOTS real boots per kubelet model (rig/node_boot.py says how),
 and in every one kubelet's first batch of pods after the boot, FIRST_ADMISSION_S after
 kubelet.sock appeared (the earliest a real kubelet 1.32 was seen to admit it), admits every
 pod that requests ate.dev/kvm. The margin and what is ours in it are printed (pytest -s);
@@ -11,16 +11,18 @@ import time
 
 import pytest
 
-from tests import node_boot as nb
-from tests.container import FULL, Container, cached_rootfs
-from tests.kubelet_standin import MODES
+from rig import node_boot as nb
+from rig.container import FULL, Container, cached_rootfs, prefetch_done
+from rig.kubelet_standin import MODES
 
 BOOTS = int(os.environ.get("BOOTS", "20"))  # per kubelet model
+ROOTFS = (FULL,)  # built in the background from the session's start (conftest.py)
 
 
 @pytest.fixture(scope="module")
 def node():
     n = Container(cached_rootfs(FULL))
+    prefetch_done()  # no other rootfs being built while the node boots: its CPU and disk are the boot's
     try:
         n.mount()
         nb.make_node(n)

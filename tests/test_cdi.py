@@ -13,7 +13,7 @@ import pytest
 
 from atedevd import cdi, cdi_book, cdi_files
 from atedevd.config import ConfigError, load
-from tests.harness import wait_until
+from rig.harness import wait_until
 from tests.test_patterns import mknod
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mknod and root-owned directories need root (CI runs as root)")

@@ -20,7 +20,7 @@ import pytest
 
 from atedevd import cdi_files
 from atedevd.watch import Watcher
-from tests.harness import wait_until
+from rig.harness import wait_until
 from tests.test_patterns import mknod
 from tests.test_upgrade import hup, installed, launcher, upgrade  # noqa: F401 - `installed` is a fixture
 

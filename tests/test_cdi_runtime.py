@@ -14,7 +14,7 @@ import os
 import pytest
 
 from tests import oci_runtime
-from tests.harness import wait_until
+from rig.harness import wait_until
 from tests.test_patterns import mknod
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(oci_runtime.missing() is not None,

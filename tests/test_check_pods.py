@@ -10,7 +10,7 @@ import pytest
 
 from atedevd import check, runtimes
 from atedevd.config import Device
-from tests.harness import REPO
+from rig.harness import REPO
 from tests.test_check import node, run  # noqa: F401 - `node` is a fixture
 from tests.test_patterns import mknod
 

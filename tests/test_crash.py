@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.harness import REPO, RESOURCE, NotifySocket, crash_when_file_appears
+from rig.harness import REPO, RESOURCE, NotifySocket, crash_when_file_appears
 
 # Raises on the loop's thread when the test drops a file named "crash-now" into
 # the plugin directory, while the gRPC server holds kubelet's ListAndWatch stream.

@@ -12,6 +12,7 @@ from tests.test_cdi_runtime import EACCES, GRANTS, GROUP, KVM, OK, _node
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(oci_runtime.missing() is not None,
                                                    reason=str(oci_runtime.missing()))]
+ROOTFS = (cri_runtime.ROOTFS,) if oci_runtime.missing() is None else ()  # built in the background (conftest.py)
 
 ROWS = {
     "root": {},

@@ -17,8 +17,8 @@ import pytest
 
 from atedevd.api import DevicePluginStub, pb
 from atedevd.plugin import STREAMS_PER_RESOURCE
-from tests.harness import OUR_SOCKETS, RESOURCE, current_socket, our_files, plugin_sockets, wait_until
-from tests.kubelet_standin import Kubelet
+from rig.harness import OUR_SOCKETS, RESOURCE, current_socket, inotify_watched, our_files, plugin_sockets, wait_until
+from rig.kubelet_standin import Kubelet
 
 # ate.dev_kvm.<instance>-<n>.sock (a new name per registration), or the oldest fixed ate.dev-kvm.sock
 OUR_SOCKET = re.compile(r"ate\.dev_kvm\.[a-z0-9]+-[0-9]+\.sock|ate\.dev-kvm\.sock")
@@ -98,10 +98,12 @@ def test_cycle_collection_is_back_on_once_the_start_is_done(start_daemon, plugin
 
 
 def test_plugin_dir_absent_at_start(start_daemon, plugin_dir):
-    d = start_daemon()
+    d = start_daemon(log_level="debug")
     d.wait_ready()  # ready with the watches armed, nothing to serve yet
     assert "waiting for" in d.status()
-    time.sleep(0.3)
+    # The start's last work is done (with kubelet away, at once after READY): it would have
+    # made the directory, or exited, by then.
+    assert wait_until(lambda: "start-up done" in d.log(), 5), d.log()
     assert d.proc.poll() is None and not os.path.exists(plugin_dir)
     k = Kubelet(plugin_dir)  # kubelet creates the directory, then serves
     k.start()
@@ -117,7 +119,8 @@ def test_plugin_dir_deep_path_created_later(start_daemon, tmp_path):
     d = start_daemon(plugin_dir=plugin_dir)
     d.wait_ready()
     os.makedirs(os.path.join(root, "var", "lib"))
-    time.sleep(0.05)
+    lib = os.stat(os.path.join(root, "var", "lib")).st_ino  # the daemon moves its watch down to it
+    assert wait_until(lambda: lib in inotify_watched(d.pid), 5), d.log()
     k = Kubelet(plugin_dir)
     k.start()
     try:
@@ -278,9 +281,16 @@ def test_kubelet_restart_storm_every_restart_reregistered(daemon, kubelet, plugi
 
 
 @pytest.mark.registration
-def test_kubelet_killed_leaves_stale_socket_then_comes_back(daemon, kubelet):
+def test_kubelet_killed_leaves_stale_socket_then_comes_back(start_daemon, kubelet):
+    daemon = start_daemon(log_level="debug")  # each refused try is a DEBUG line
+    daemon.wait_ready()
+    assert kubelet.wait_connected(RESOURCE), daemon.log()
+    assert wait_until(lambda: ": registered, " in (daemon.status() or ""), 10), daemon.log()
     kubelet.kill()  # kubelet.sock stays, refusing connections
-    time.sleep(1.0)  # several backoff rounds against the stale socket
+    # The stale socket refuses a try (a DEBUG line), and the daemon waits for a new kubelet.sock.
+    refused = "DEBUG ate.dev/kvm: waiting for kubelet: kubelet is not accepting connections"
+    assert wait_until(lambda: refused in daemon.log() and "waiting for kubelet" in (daemon.status() or ""), 10), \
+        (daemon.status(), daemon.log())
     assert daemon.proc.poll() is None
     kubelet.start()
     assert kubelet.wait_connected(RESOURCE, registrations=2, timeout=5), daemon.log()
@@ -339,21 +349,22 @@ def test_ready_carries_status_and_status_follows_state(daemon, kubelet):
 
 def test_watchdog_pings_at_half_the_interval(start_daemon, kubelet):
     d = start_daemon(env={"WATCHDOG_USEC": "400000"})
-    d.wait_ready()
-    time.sleep(1.1)
+    ready = d.wait_ready()["at"]
+    assert wait_until(lambda: len(d.notify.values("WATCHDOG")) >= 4, 5), d.notify.messages
     pings = [m["at"] for m in d.notify.messages if m["fields"].get("WATCHDOG") == "1"]
-    assert 3 <= len(pings) <= 12, pings  # about every 0.2 s
+    assert pings[2] - ready <= 1.1, pings  # 3 in the first 1.1 s at least: about every 0.2 s ...
+    assert all(b - a >= 0.09 for a, b in zip(pings, pings[1:4])), pings  # ... and not more often than 12 in it
 
 
 def test_no_watchdog_pings_without_watchdog(daemon):
-    time.sleep(0.5)
+    time.sleep(0.5)  # a window of silence is what is asserted (a ping would come at the loop's first turn)
     assert daemon.notify.values("WATCHDOG") == []
 
 
 def test_watchdog_for_another_pid_is_ignored(start_daemon, kubelet):
     d = start_daemon(env={"WATCHDOG_USEC": "200000", "WATCHDOG_PID": "1"})
     d.wait_ready()
-    time.sleep(0.5)
+    time.sleep(0.5)  # a window of silence is what is asserted: five pings' worth at 0.1 s
     assert d.notify.values("WATCHDOG") == []
 
 

@@ -5,7 +5,7 @@ import re
 import stat
 import subprocess
 
-from tests.harness import REPO, RESOURCE
+from rig.harness import REPO, RESOURCE
 
 
 def read(path: str) -> str:

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from atedevd.api import pb
-from tests.harness import REPO, wait_until
+from rig.harness import REPO, wait_until
 from tests.test_patterns import fake_vfio_sysfs, mknod, vfio_nodes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root (CI runs as root)")

@@ -22,9 +22,9 @@ import grpc
 import pytest
 
 from atedevd.api import DevicePluginStub, pb
-from tests.harness import OUR_SOCKETS, RESOURCE, current_socket, our_files, plugin_sockets, wait_until
+from rig.harness import OUR_SOCKETS, RESOURCE, current_socket, our_files, plugin_sockets, wait_until
 from tests.hostile_kubelet import HostileKubelet, RawKubelet
-from tests.kubelet_standin import Kubelet
+from rig.kubelet_standin import Kubelet
 
 
 def allocates(socket_path: str) -> bool:
@@ -77,7 +77,7 @@ def test_register_never_answered_kubelet_back_cancels_the_hung_call(hostile, sta
     d = start_daemon()
     d.wait_ready()
     assert hung.wait(lambda: hung.calls.get("hang", 0) == 1), d.log()
-    time.sleep(0.5)
+    time.sleep(0.5)  # a window is what is asserted: the hung call is left alone (its deadline is 20 s)
     assert_serving(d, plugin_dir)  # serving while its Register hangs
     assert hung.cancelled == 0  # still hung: nothing has given up on it
     # A new kubelet takes over the directory: wipes it, serves a new kubelet.sock.
@@ -133,7 +133,7 @@ def test_dials_back_and_never_opens_listandwatch(hostile, start_daemon, plugin_d
     d = start_daemon()
     d.wait_ready()
     assert k.wait(lambda: k.calls.get("no-watch", 0) == 1), d.log()
-    time.sleep(0.5)
+    time.sleep(0.5)  # a window is what is asserted: serving, alive, while the stream it waits for (5 s) does not come
     assert_serving(d, plugin_dir)
     assert d.proc.poll() is None
     # the same kubelet, restarted and behaving: registered and streaming
@@ -165,12 +165,14 @@ def test_stale_kubelet_sock_at_start_then_a_real_kubelet_behind_it(start_daemon,
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(path)  # bound, never listening: connections are refused
     s.close()
-    d = start_daemon()
+    d = start_daemon(log_level="debug")  # each refused try is a DEBUG line
     d.wait_ready()
-    time.sleep(3.0)  # the backoff reaches its cap against the stale socket
+    # The backoff reaches its cap (2 s) against the stale socket: 10 ms, 20, ... 1.28 s, 8 tries.
+    refused = "DEBUG ate.dev/kvm: waiting for kubelet: kubelet is not accepting connections"
+    assert wait_until(lambda: d.log().count(refused) >= 8, 10), d.log()
     assert_serving(d, plugin_dir)
     log = d.log()
-    assert log.count("waiting for kubelet") == 1 and "Traceback" not in log, log
+    assert log.count("INFO ate.dev/kvm: waiting for kubelet") == 1 and "Traceback" not in log, log
     k = Kubelet(plugin_dir)
     k.start()
     try:
@@ -221,7 +223,7 @@ def test_plugin_dir_made_read_only(start_daemon, plugin_dir, tmp_path):
             # kubelet restarts: our socket is wiped; binding it again fails with EROFS
             k.restart(0.05)
             assert wait_until(lambda: "cannot serve" in d.log(), 10), d.log()
-            time.sleep(1.0)
+            time.sleep(1.0)  # a window is what is asserted: the retries (10 ms, 20, ...) would repeat the line
             assert d.proc.poll() is None
             log = d.log()
             assert log.count("cannot serve") == 1, log  # said once, not per retry
@@ -267,22 +269,21 @@ def test_sigstop_while_kubelet_restarts_then_sigcont(daemon, kubelet, plugin_dir
     daemon.send(signal.SIGSTOP)
     try:
         kubelet.restart(0.05)
-        time.sleep(0.5)
+        time.sleep(0.5)  # the daemon stays stopped through kubelet's restart: the window is the test
         assert kubelet.registration_count(RESOURCE) == 1  # a stopped daemon cannot answer
         assert kubelet.capacity(RESOURCE) == 0
     finally:
         daemon.send(signal.SIGCONT)
     assert_recovered(kubelet, daemon, plugin_dir, registrations=2)
-    time.sleep(0.5)
+    time.sleep(0.5)  # a window is what is asserted: no second registration for the one restart
     assert kubelet.registration_count(RESOURCE) == 2, daemon.log()  # one restart, one registration
     # and stopped with nothing happening: still registered after, with no new registration
-    time.sleep(0.5)
     before = kubelet.registration_count(RESOURCE)
     daemon.send(signal.SIGSTOP)
-    time.sleep(0.3)
+    time.sleep(0.3)  # stopped this long: the test
     daemon.send(signal.SIGCONT)
     assert_serving(daemon, plugin_dir)
-    time.sleep(0.3)
+    time.sleep(0.3)  # a window is what is asserted: nothing re-registers after the SIGCONT
     assert kubelet.registration_count(RESOURCE) == before and kubelet.capacity(RESOURCE) == 1024, daemon.log()
 
 

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from atedevd.api import DevicePluginStub, pb
 from bench.rig import fds, rss_kib, threads
-from tests.harness import REPO, RESOURCE, Daemon, current_socket, fake_dev_root, wait_until
+from rig.harness import REPO, RESOURCE, Daemon, current_socket, fake_dev_root, wait_until
 from tests.hostile_kubelet import PREFACE, SETTINGS
-from tests.kubelet_standin import Kubelet
+from rig.kubelet_standin import Kubelet
 from tests import trimmed
 
 VALID = [f"kvm-{i}" for i in range(1024)]
@@ -63,7 +63,7 @@ def node(tmp_path_factory):
     call(n, [[VALID[i % 1024]] for i in range(5000)])
     flood_streams(n)  # grows the worker pool to what the fuzz below makes it use
     assert n.kubelet.wait(lambda: n.kubelet.capacity(RESOURCE) == 1024, timeout=15)
-    time.sleep(1.0)
+    time.sleep(1.0)  # the flood's streams and connections wind down before the baseline is read (a settle, not a wait on one thing)
     n.baseline = {"rss": rss_kib(n.daemon.pid), "fds": fds(n.daemon.pid), "threads": threads(n.daemon.pid),
                   "trimmed": trimmed.trimmed_rss_kib(n.daemon.pid, n.trim_ack)}
     n.trace = [("baseline", rss_kib(n.daemon.pid, "RssAnon"), n.baseline["rss"])]

@@ -20,7 +20,7 @@ import threading
 
 import pytest
 
-from tests.harness import REPO, wait_until
+from rig.harness import REPO, wait_until
 from tests.test_exclusive import SERIAL, SERIAL_TOML, health, reload, serial_nodes, write
 from tests.test_patterns import mknod
 from tests.test_policy import fake_sysfs

@@ -15,7 +15,7 @@ import signal
 import grpc
 import pytest
 
-from tests.harness import wait_until
+from rig.harness import wait_until
 from tests.test_exclusive import allocated_paths, health, reload, write
 from tests.test_patterns import mknod
 

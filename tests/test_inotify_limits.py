@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from tests.harness import REPO, RESOURCE, NotifySocket, wait_until
-from tests.kubelet_standin import Kubelet
+from rig.harness import REPO, RESOURCE, NotifySocket, wait_until
+from rig.kubelet_standin import Kubelet
 
 
 def _userns_works() -> bool:

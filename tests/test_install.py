@@ -9,7 +9,7 @@ The matrix (Debian suites stand in for other distributions' Python stacks):
 
 Both are built from the working tree (`make deb`, `make deb DEB_REVISION=2`,
 `make rpm`, into a temporary DIST_DIR) and installed into the CLEAN rootfs of
-tests/container.py: Debian bookworm with systemd but without Python or any of
+rig/container.py: Debian bookworm with systemd but without Python or any of
 atedevd's dependencies. Those are only in apt's cache there, downloaded from
 Debian's mirror when the rootfs was built, and the container has no network:
 so `apt install ./atedevd.deb` proves the package's Depends name Debian's own
@@ -24,13 +24,15 @@ package is erased.
 
 import hashlib
 import json
+import os
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.container import (
+from rig.container import (
     PLUGIN_DIR,
     RESOURCE,
     RUNTIME_PACKAGES,
@@ -47,7 +49,7 @@ from tests.container import (
     wait_registered,
     wait_until,
 )
-from tests.package_upgrade import CONFIG, DEBS, METRICS_DIR, VERSION, apt_install, build_deb, deb_version, make, \
+from rig.package_upgrade import CONFIG, DEBS, METRICS_DIR, VERSION, apt_install, build_deb, deb_version, make, \
     print_timeline, start_kubelet, upgrade
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,24 +58,32 @@ WANTS = "/etc/systemd/system/multi-user.target.wants/atedevd.service"
 
 # suite -> its python3, for the self-contained packages
 BUNDLED = {"bullseye": "3.9", "bookworm": "3.11", "trixie": "3.13"}
+# built in the background from the session's start, in the order the tests need them (conftest.py)
+ROOTFS = (clean("bookworm"), clean("trixie"), bare("bullseye"))
 TIMINGS = {}  # unit start -> registered, per cell, printed at the end (pytest -s) and asserted <= 2 s
+
+
+def in_parallel(*calls) -> list:
+    """Each build in a temporary tree of its own, into one dist directory: they overlap (a
+    build waits on PyPI, the compressor and the disk), a core each."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return [f.result() for f in [pool.submit(fn, *args) for fn, *args in calls]]
 
 
 @pytest.fixture(scope="module")
 def debs(tmp_path_factory):
     """The .deb and its "-2" revision (`make deb`, `make deb DEB_REVISION=2`), into one dist directory."""
     dist = tmp_path_factory.mktemp("dist")
-    return dist, {rev: build_deb(dist, rev) for rev in (1, 2)}
+    return dist, dict(zip((1, 2), in_parallel((build_deb, dist, 1), (build_deb, dist, 2))))
 
 
 @pytest.fixture(scope="module")
 def packages(debs):
     dist, _ = debs
-    make(dist, "rpm")
-    for py in BUNDLED.values():
-        for rev in ("1", "2"):
-            make(dist, "deb-bundled", f"PYTHON_VERSION={py}", f"DEB_REVISION={rev}")
-        make(dist, "rpm-bundled", f"PYTHON_VERSION={py}")
+    in_parallel((make, dist, "rpm"),
+                *((make, dist, "deb-bundled", f"PYTHON_VERSION={py}", f"DEB_REVISION={rev}")
+                  for py in BUNDLED.values() for rev in ("1", "2")),
+                *((make, dist, "rpm-bundled", f"PYTHON_VERSION={py}") for py in BUNDLED.values()))
     found = {
         "deb1": dist / f"atedevd_{VERSION}-1_all.deb",
         "deb2": dist / f"atedevd_{VERSION}-2_all.deb",

@@ -8,7 +8,7 @@ default level is what journald stores (priority from the level), so it is read h
 
 import re
 
-from tests.harness import RESOURCE, wait_until
+from rig.harness import RESOURCE, wait_until
 
 RESTARTS = 100
 LINE = re.compile(r"\d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) (.*)")

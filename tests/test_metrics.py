@@ -17,8 +17,8 @@ import pytest
 from atedevd import config, metrics
 from atedevd.registration import State, Why
 from atedevd.registration.report import Report
-from tests.harness import RESOURCE
-from tests.metrics_scrape import NodeExporter, parse, series, value
+from rig.harness import RESOURCE
+from rig.metrics_scrape import NodeExporter, parse, series, value
 
 NAME = re.compile(r"atedevd_[a-z0-9_]+\Z")
 INFO = metrics.DaemonInfo("0.1.0", "source", "1.51.1", "4.21.12", "3.11.2", 0.5)  # started at monotonic 0.5

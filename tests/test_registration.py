@@ -21,8 +21,8 @@ from typing import Optional
 
 import pytest
 
-from tests.harness import RESOURCE, current_socket, plugin_sockets, wait_until
-from tests.kubelet_standin import DELAY_STEPS, Kubelet
+from rig.harness import RESOURCE, current_socket, plugin_sockets, wait_until
+from rig.kubelet_standin import DELAY_STEPS, Kubelet
 
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
 MAX_DELAY = 0.25  # per kubelet step: beyond the old 50 ms settle and every poll of ours
@@ -154,7 +154,9 @@ def test_a_pattern_unit_unplugged_and_back_rides_the_stream(registered, kubelet,
         assert kubelet.wait(lambda: kubelet.allocatable(PATTERN) == len(PATTERN_NODES) - 1, SETTLE), registered.log()
         counted = re.compile(rf"{PATTERN}: registered, \d+/\d+ healthy, kubelet counts {len(PATTERN_NODES) - 1}\b")
         assert wait_until(lambda: counted.search(registered.status() or ""), SETTLE), registered.status()
-        time.sleep(1.0)  # the daemon's check has seen kubelet's new count: a wrong expectation re-registers 0.5 s on
+        # The daemon's check has seen kubelet's new count; a window is what is asserted: a wrong
+        # expectation would re-register 0.5 s on.
+        time.sleep(1.0)
         assert kubelet.register_calls[m:] == [], "a unit's health change was taken for a lost registration"
         os.symlink(PATTERN_NODES[2], node)
         end_state(kubelet, registered, rng, since=m, new=0, pattern_new=0)

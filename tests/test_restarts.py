@@ -7,8 +7,8 @@ import signal
 import pytest
 
 from atedevd import restarts
-from tests.harness import Daemon, fake_dev_root
-from tests.kubelet_standin import Kubelet
+from rig.harness import Daemon, fake_dev_root
+from rig.kubelet_standin import Kubelet
 
 
 class Clock:

@@ -3,7 +3,7 @@ net.Listen does), one creation event of kubelet.sock per kubelet start, the admi
 check (would kubelet admit a pod requesting the resource right now?), the teardown after a
 stream ends (the connection let go of at once), and pod-resources' rate limit.
 
-A tiny device plugin in this process (tests/tiny_plugin.py) stands in for the daemon, so
+A tiny device plugin in this process (rig/tiny_plugin.py) stands in for the daemon, so
 each step is driven and waited for here, not timed.
 """
 
@@ -22,11 +22,11 @@ import pytest
 
 from atedevd.api import PodResourcesStub, prpb
 from atedevd.sockets import held_connections
-from tests.kubelet_standin import (DOWN, KUBELET_RATE_LIMIT, KUBELET_SOCKET, MODES, RATE_LIMITED, AdmissionLog, Kubelet,
+from rig.kubelet_standin import (DOWN, KUBELET_RATE_LIMIT, KUBELET_SOCKET, MODES, RATE_LIMITED, AdmissionLog, Kubelet,
                                    TokenBucket)
-from tests.node_agent import NodeAgent
-from tests.tiny_plugin import Plugin
-from tests.tiny_plugin import register as _register
+from rig.node_agent import NodeAgent
+from rig.tiny_plugin import Plugin
+from rig.tiny_plugin import register as _register
 
 RESOURCE = "example.com/thing"
 

@@ -1,4 +1,4 @@
-"""atedevd.service under a real systemd: a booted Debian bookworm container (tests/container.py).
+"""atedevd.service under a real systemd: a booted Debian bookworm container (rig/container.py).
 
 The working tree's daemon, unit and kubelet stand-in are installed in it; one boot
 serves the whole module. Every test starts from the same state (the `clean`
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.container import (
+from rig.container import (
     FULL,
     PLUGIN_DIR,
     RESOURCE,
@@ -40,6 +40,7 @@ from tests.container import (
     wait_until,
 )
 
+ROOTFS = (FULL,)  # built in the background from the session's start (conftest.py)
 DROPIN_DIR = "/etc/systemd/system/atedevd.service.d"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "/etc/atedevd/config.toml"
@@ -243,7 +244,7 @@ def test_reload_keeps_the_registration(clean):
     wait_journal(node, cur, lambda s: '"ATEDEVD_EVENT":"reloaded"' in s, "the reloaded event", "-o", "json")
     wait_until(lambda: (standin_state(node)["resources"].get("ate.dev/tun") or {}).get("healthy") == 8, 20,
                "the reloaded config's second device registered", lambda: f"{standin_state(node)}\n{diagnostics(node)}")
-    time.sleep(1.5)  # give a dropped registration the time to show
+    time.sleep(1.5)  # a window is what is asserted: a dropped registration would show in it
     kvm = resource_state(node)
     assert kvm["registrations"] == before and kvm["connected"], kvm
 
@@ -266,7 +267,8 @@ def test_watchdog_kills_a_stopped_loop(clean):
     dropin(node, "watchdog", "[Service]\nWatchdogSec=3s\n")
     before = start_and_register(node)["registrations"]
     pid = node.main_pid()
-    # Alive and pinging: more than twice the 3 s limit later, still the same process, never restarted.
+    # Alive and pinging: more than twice the 3 s limit later, still the same process, never restarted
+    # (the window is what is asserted).
     time.sleep(7)
     assert (node.main_pid(), node.show("atedevd", "NRestarts")["NRestarts"]) == (pid, "0"), diagnostics(node)
     cur = cursor(node)
@@ -303,7 +305,9 @@ def test_broken_config_fails_once_with_a_clear_message(clean):
     assert p.returncode != 0
     show = node.show("atedevd", "ActiveState", "Result", "ExecMainStatus", "NRestarts")
     assert show == {"ActiveState": "failed", "Result": "exit-code", "ExecMainStatus": "78", "NRestarts": "0"}, show
-    time.sleep(3)  # three RestartSec= periods: a restart loop would have begun by now
+    # A window is what is asserted: with RestartSec=0 a restart is scheduled as the failure is
+    # handled and comes 15-60 ms later (docs/design.md); none in 1 s.
+    time.sleep(1)
     show = node.show("atedevd", "ActiveState", "NRestarts")
     assert show == {"ActiveState": "failed", "NRestarts": "0"}, show
     status = ""
@@ -530,7 +534,7 @@ def test_the_let_go_wait_sees_kubelets_connection_from_inside_the_sandbox(clean)
         node.run("rm", f"{PLUGIN_DIR}/{state['endpoint']}")  # our socket deleted: a handover, kubelet stays up
         state = wait_registered(node, state["registrations"] + 1)
         text = wait_journal(node, cur, lambda s: "kubelet let go of our old socket" in s, "the let-go wait's end", "-o", "cat")
-        assert re.search(r"kubelet let go of our old socket after \d+ ms \(confirm\)", text), text
+        assert re.search(r"kubelet let go of our old socket after \d+ ms \(confirm, \d+ count", text), text
         texts.append(text)
         if re.search(r"kubelet holds [1-9]\d* connection\(s\) to our old socket", text):
             break

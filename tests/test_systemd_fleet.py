@@ -3,7 +3,7 @@ atedevd.prom into node_exporter's directory (the unit's ReadWritePaths= exceptio
 Debian's node_exporter on the host, reading that directory of the container's root, serves
 it; `atedevd check --json` on the node.
 
-A booted Debian bookworm container (tests/container.py), as in test_systemd.py.
+A booted Debian bookworm container (rig/container.py), as in test_systemd.py.
 """
 
 import json
@@ -12,7 +12,7 @@ import stat
 
 import pytest
 
-from tests.container import (
+from rig.container import (
     FULL,
     RESOURCE,
     STANDIN_UNIT,
@@ -27,9 +27,10 @@ from tests.container import (
     wait_registered,
     wait_until,
 )
-from tests.harness import crash_when_file_appears
-from tests.metrics_scrape import NodeExporter, value
+from rig.harness import crash_when_file_appears
+from rig.metrics_scrape import NodeExporter, value
 
+ROOTFS = (FULL,)  # built in the background from the session's start (conftest.py)
 TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"  # what prometheus-node-exporter's package creates
 
 

@@ -13,7 +13,7 @@ reads /proc.
 import os
 import signal
 
-from tests.harness import wait_until
+from rig.harness import wait_until
 
 ACK_ENV = "ATEDEVD_TEST_TRIM_ACK"
 

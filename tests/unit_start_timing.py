@@ -1,5 +1,5 @@
 """What a start under atedevd.service pays before the daemon's first line, by systemd's own
-clock, in the booted Debian 12 container (systemd 252, tests/container.py).
+clock, in the booted Debian 12 container (systemd 252, rig/container.py).
 
     /usr/bin/python3 -m tests.unit_start_timing [--runs 10] [--variant NAME ...]
 
@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Dict, List
 
-from tests.container import FULL, Container, cached_rootfs, install_project, start_standin
+from rig.container import FULL, Container, cached_rootfs, install_project, start_standin
 
 DROPIN_DIR = "/etc/systemd/system/atedevd.service.d"
 PROBE = "import time; print('UNIT-START-PROBE', repr(time.monotonic()), flush=True)"

@@ -1,6 +1,6 @@
 """Models of kubelet's device manager, one per generation, on a simulated clock.
 
-The same bookkeeping as the process-level stand-in (tests/kubelet_standin.py,
+The same bookkeeping as the process-level stand-in (rig/kubelet_standin.py,
 read from kubelet's pkg/kubelet/cm/devicemanager), without sockets or threads:
 every step that takes time in kubelet is a scheduled event, with a random delay
 of its own, so a seed fixes one interleaving.

@@ -7,8 +7,8 @@ is not registered and healthy by then fails (UnexpectedAdmissionError, never ret
 kubernetes #125579, #128043). atedevd starts before kubelet.service (Before=, Type=notify)
 so that it is waiting when kubelet first serves.
 
-The node is tests/container.py's overlay, powered off and booted again (/run and /tmp new,
-/etc and /var kept: a reboot). The stand-in is tests/container_admission_standin.py: its
+The node is rig/container.py's overlay, powered off and booted again (/run and /tmp new,
+/etc and /var kept: a reboot). The stand-in is rig/container_admission_standin.py: its
 checkpoint from the boot before lists the resources, so they come back with 0 healthy, and
 its pod list holds pods that had units of them (and one new pod), all admitted in one batch
 FIRST_ADMISSION_S after kubelet.sock appears.
@@ -22,11 +22,12 @@ manager serves kubelet.sock on the way to "up", and the pods come at the next wa
 """
 
 import json
+import os
 import statistics
 import time
 from typing import Dict, List
 
-from tests.container import (
+from rig.container import (
     PLUGIN_DIR,
     STANDIN_STATE,
     TEST_LIB,
@@ -36,7 +37,7 @@ from tests.container import (
     standin_state,
     wait_until,
 )
-from tests.kubelet_standin import CHECKPOINT
+from rig.kubelet_standin import CHECKPOINT
 
 FIRST_ADMISSION_S = 0.040
 KVM = "ate.dev/kvm"
@@ -107,6 +108,7 @@ def one_boot(node: Container, resources: Dict[str, int]) -> dict:
     """Boot, wait for kubelet's first batch of pods, read what happened, power off.
     `resources`: {name: units}. Times in seconds of CLOCK_MONOTONIC (one clock for the host,
     the container, systemd and the stand-in)."""
+    drop_page_cache()
     node.boot()
     try:
         def settled():  # kubelet's first batch done, and every resource healthy (or given up on)
@@ -134,6 +136,16 @@ def one_boot(node: Container, resources: Dict[str, int]) -> dict:
                 "debug": f"{json.dumps(state, indent=1)[:4000]}\n{diagnostics(node)}"}
     finally:
         node.shutdown()
+
+
+def drop_page_cache() -> None:
+    """Write back and drop the page cache, dentries and inodes: the boot reads everything from
+    the disk, as a real reboot does (a boot after the first in a warm cache finds systemd,
+    Python, grpc and atedevd in memory, and the first after a rootfs build its dirty pages
+    still being written)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
 
 
 def problems(b: dict) -> List[str]:

@@ -1,6 +1,6 @@
 """A real systemd for the tests: a cached Debian rootfs (bookworm by default) booted with systemd-nspawn.
 
-    rootfs = cached_rootfs(FULL)           # debootstrap once, reused while the package list is unchanged
+    rootfs = cached_rootfs(FULL)           # mmdebstrap once, reused while the package list is unchanged
     with Container(rootfs) as node:        # a throw-away overlayfs copy, booted, torn down on exit
         install_project(node)              # the working tree's atedevd, unit and kubelet stand-in
         node.systemctl("enable", "--now", "atedevd")
@@ -32,7 +32,7 @@ DevicePolicy= and IPAddressDeny=. On cgroup v2 with bpf() allowed both are
 enforced for real. Commands run in the container with
 `nsenter -t <container init> -a`.
 
-Needs root, debootstrap, systemd-container (systemd-nspawn), util-linux (nsenter,
+Needs root, mmdebstrap, systemd-container (systemd-nspawn), util-linux (nsenter,
 mount) and a kernel with overlayfs.
 """
 
@@ -46,19 +46,21 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
-REPO = Path(__file__).resolve().parent.parent
+RIG = Path(__file__).resolve().parent
+REPO = RIG.parent
 SUITE = "bookworm"  # the default suite: Debian 12, the runtime floor
 SUITES = ("bullseye", "bookworm", "trixie")
 MIRROR = os.environ.get("ATEDEVD_TEST_MIRROR", "http://deb.debian.org/debian")
 CACHE_DIR = Path(os.environ.get("ATEDEVD_TEST_CACHE", "/var/cache/atedevd-tests"))
 SCRATCH_DIR = Path(os.environ.get("ATEDEVD_TEST_SCRATCH", "/var/tmp"))
-# Bump when _prepare() changes what a cached rootfs contains.
-LAYOUT = 1
+# Bump when bootstrap_argv() or _prepare() changes what a cached rootfs contains.
+LAYOUT = 2  # 2: mmdebstrap
 
 # procps: /bin/kill for the unit's ExecReload=, as on every real node.
 BASE_PACKAGES = ("systemd", "systemd-sysv", "dbus", "procps")
@@ -137,39 +139,100 @@ def _run(argv: Sequence[str], timeout: float = 600, **kw) -> subprocess.Complete
 
 
 def cached_rootfs(spec: RootfsSpec = FULL) -> Path:
-    """The rootfs for `spec`, built with debootstrap on first use (about a minute)."""
+    """The rootfs for `spec`, built with mmdebstrap on first use (about half a minute)."""
     dest = CACHE_DIR / f"{spec.suite}-{spec.name}-{spec.key()}"
     if dest.is_dir():
         return dest
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with open(CACHE_DIR / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others then find it built
+    # One builder at a time; the others then find it built. A POSIX lock (lockf), not flock:
+    # a process forked meanwhile (the simulation's workers) would hold a flock for as long as
+    # it lives, and a POSIX lock is the process's own, so the threads (prefetch) take turns
+    # on _BUILDING first.
+    with _BUILDING, open(CACHE_DIR / ".lock", "w") as lock:
+        fcntl.lockf(lock, fcntl.LOCK_EX)
         if dest.is_dir():
             return dest
         for stale in CACHE_DIR.glob(".build-*"):  # an interrupted build, never renamed into place
-            shutil.rmtree(stale, ignore_errors=True)
+            _remove_build(stale)
         tmp = Path(tempfile.mkdtemp(prefix=f".build-{dest.name}-", dir=CACHE_DIR))
         try:
             os.chmod(tmp, 0o755)
-            _run(["debootstrap", "--variant=minbase", "--include=" + ",".join(spec.include),
-                  spec.suite, str(tmp), MIRROR], timeout=1200)
+            _run(bootstrap_argv(spec, tmp), timeout=1200)
             _prepare(tmp, spec)
             os.rename(tmp, dest)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_build(tmp)
             raise
     return dest
 
 
+_BUILDING = threading.Lock()
+
+
+def _remove_build(path: Path) -> None:
+    """A build's directory, with what mmdebstrap had mounted in it (/proc, /sys, /dev/pts
+    of a build that was killed) unmounted first."""
+    inside = str(path) + "/"
+    with open("/proc/self/mounts") as f:
+        mounts = [line.split()[1] for line in f]
+    for point in sorted((m for m in mounts if m.startswith(inside)), reverse=True):
+        subprocess.run(["umount", "--lazy", point], capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def bootstrap_argv(spec: RootfsSpec, dest: Path) -> list:
+    """mmdebstrap (apt does the work: 25 s for FULL here, where debootstrap's shell took 54):
+    minbase (Essential and apt) and `spec.include`, apt's lists and cache cleaned. With
+    `spec.download`, apt's lists are kept (so `apt install ./x.deb` resolves) and its cache
+    holds only those packages' .debs (so it resolves them without the network); nothing of
+    them is installed."""
+    argv = ["mmdebstrap", "--quiet", "--variant=minbase", "--include=" + ",".join(spec.include)]
+    if spec.download:
+        argv += ["--skip=cleanup/apt/lists,cleanup/apt/cache", '--customize-hook=chroot "$1" apt-get clean',
+                 '--customize-hook=chroot "$1" apt-get install -y -qq --download-only --no-install-recommends '
+                 + " ".join(spec.download)]
+    return argv + [spec.suite, str(dest), MIRROR]
+
+
+_prefetch: Optional[threading.Thread] = None
+_prefetch_stop = threading.Event()
+
+
+def prefetch(specs: Sequence[RootfsSpec]) -> None:
+    """Build the rootfs of `specs` that are not cached yet, one after the other, in a thread
+    of this process, while the tests that need none run (a build is half waiting: the mirror
+    and the disk). A test that needs one waits for it in cached_rootfs (the lock); a build
+    that fails here fails again there, in that test. Needs root and mmdebstrap; else a no-op."""
+    global _prefetch
+    wanted = [s for s in dict.fromkeys(specs) if not (CACHE_DIR / f"{s.suite}-{s.name}-{s.key()}").is_dir()]
+    if not wanted or _prefetch is not None or os.geteuid() != 0 or shutil.which("mmdebstrap") is None:
+        return
+
+    def build() -> None:
+        for spec in wanted:
+            if _prefetch_stop.is_set():
+                return
+            try:
+                cached_rootfs(spec)
+            except Exception:  # noqa: BLE001 - the test that needs it meets it again
+                pass
+
+    _prefetch = threading.Thread(target=build, name="rootfs-prefetch", daemon=True)
+    _prefetch.start()
+
+
+def prefetch_done(stop: bool = False) -> None:
+    """Wait until the builds `prefetch` began are over: before a test whose timing another
+    build's CPU and disk would disturb (the boot); `stop`: only the one under way (the
+    session ends: a build left running would outlive it, holding no lock)."""
+    if stop:
+        _prefetch_stop.set()
+    if _prefetch is not None:
+        _prefetch.join()
+
+
 def _prepare(root: Path, spec: RootfsSpec) -> None:
     (root / "etc/hostname").write_text("atedevd-test\n")
-    if spec.download:
-        # apt's lists (so `apt install ./x.deb` resolves) and the dependencies' .debs (so it
-        # resolves them without the network); nothing of them is installed.
-        run_in_rootfs(root, "apt-get", "update")
-        run_in_rootfs(root, "apt-get", "install", "-y", "--download-only", "--no-install-recommends", *spec.download)
-    else:
-        run_in_rootfs(root, "apt-get", "clean")
 
 
 def run_in_rootfs(root: Path, *argv: str) -> None:
@@ -419,7 +482,9 @@ def reap_stale() -> None:
                 if init:
                     _kill(init)
                 _kill(nspawn)
-                time.sleep(0.5)
+                deadline = time.monotonic() + 5
+                while _alive(nspawn) and time.monotonic() < deadline:  # gone, and its mounts with it
+                    time.sleep(0.05)
         except (OSError, ValueError):
             pass
         _teardown_dir(d)
@@ -459,8 +524,8 @@ def install_project(node: Container) -> None:
 
 def install_test_helpers(node: Container) -> None:
     for helper in ("kubelet_standin.py", "node_agent.py"):
-        node.copy_in(REPO / "tests" / helper, f"{TEST_LIB}/{helper}")
-    for helper in (REPO / "tests").glob("container_*.py"):
+        node.copy_in(RIG / helper, f"{TEST_LIB}/{helper}")
+    for helper in RIG.glob("container_*.py"):
         node.copy_in(helper, f"{TEST_LIB}/{helper.name}")
 
 

@@ -26,7 +26,7 @@ import types
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from tests.container import (
+from rig.container import (
     PLUGIN_DIR,
     RESOURCE,
     TEST_LIB,
@@ -37,8 +37,8 @@ from tests.container import (
     wait_registered,
     wait_until,
 )
-from tests.kubelet_standin import AdmissionLog
-from tests.metrics_scrape import parse, value
+from rig.kubelet_standin import AdmissionLog
+from rig.metrics_scrape import parse, value
 
 REPO = Path(__file__).resolve().parent.parent
 DEBS = "/var/cache/atedevd-test-debs"  # inside the container

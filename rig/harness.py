@@ -214,6 +214,21 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool
     return bool(predicate())
 
 
+def inotify_watched(pid: int) -> set:
+    """The inodes process `pid` watches with inotify, read from /proc/PID/fdinfo (each watch a
+    line `inotify wd:.. ino:<hex> sdev:..`): what a daemon is watching now, seen from outside."""
+    found = set()
+    fd_dir = f"/proc/{pid}/fdinfo"
+    for fd in os.listdir(fd_dir):
+        try:
+            with open(os.path.join(fd_dir, fd)) as f:
+                text = f.read()
+        except OSError:
+            continue
+        found.update(int(m, 16) for m in re.findall(r"^inotify wd:\S+ ino:([0-9a-f]+)", text, re.M))
+    return found
+
+
 def crash_when_file_appears(message: str, name: str = "crash-now") -> str:
     """A launcher for `python3 -c` (or a file): the real CLI, with the loop made to raise
     RuntimeError(message) when a file called `name` appears in the plugin directory (the

@@ -1476,7 +1476,7 @@ class TokenBucket:
 
 def _client_of(context) -> str:
     """Who made a pod-resources call, for counting: the product of its user-agent
-    (`node-agent` for tests/node_agent.py, `grpc-python` for atedevd and other Python
+    (`node-agent` for rig/node_agent.py, `grpc-python` for atedevd and other Python
     clients that set none). grpc gives a unix socket's peer as "unix:", whoever it is."""
     for key, value in context.invocation_metadata():
         if key == "user-agent" and value:

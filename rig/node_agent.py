@@ -95,10 +95,10 @@ class AgentProcess:
 
 
 def spawn(socket_path: str, rate: float = DEFAULT_RATE) -> AgentProcess:
-    """Start the agent as a separate process (the repository's tests.node_agent)."""
+    """Start the agent as a separate process (the repository's rig.node_agent)."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": repo + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.node_agent", "--socket", socket_path, "--rate", str(rate)],
+    proc = subprocess.Popen([sys.executable, "-m", "rig.node_agent", "--socket", socket_path, "--rate", str(rate)],
                             stdout=subprocess.PIPE, text=True, env=env, cwd=repo)
     return AgentProcess(proc)
 
