@@ -199,6 +199,8 @@ class Registration:
 
     def _hand_off(self, now: float, e: m.HandOff) -> None:
         """Like a stop, but the standby stays: if the successor fails, we register again on it."""
+        if self.moves.state is State.UNSERVED:  # served again later, it waits to be told to take back
+            self.moves.hold(Why.TAKEN_BACK)
         if self.moves.state not in SERVED:
             return
         streaming = self.moves.wind_down(now, State.HANDING_OFF)

@@ -43,12 +43,13 @@ class Client:
 
 
 class Endpoint:
-    __slots__ = ("client", "path", "stopped_at")
+    __slots__ = ("client", "path", "stopped_at", "stopped_by")
 
     def __init__(self, client: Optional[Client], path: Optional[str], stopped_at: Optional[float] = None):
         self.client = client
         self.path = path
         self.stopped_at = stopped_at
+        self.stopped_by: Optional[str] = None  # the socket whose teardown stopped it
 
 
 class Incarnation:
@@ -280,7 +281,7 @@ class KubeletModel:
             e = inc.endpoints.get(name)
             if e is not None:
                 inc.healthy[name] = 0
-                e.stopped_at = self.w.now  # whatever endpoint is current
+                e.stopped_at, e.stopped_by = self.w.now, path  # whatever endpoint is current
         else:
             store = inc.store.get(name, {})
             e = store.pop(path, None)
@@ -345,10 +346,12 @@ class KubeletModel:
         # the live one is the current endpoint's.
         e = inc.endpoints.get(resource)
         newest = accepted[-1][3] if self.mode == "1.32" else (e.client if e is not None else None)
-        if self.mode == "1.32" and newest.path in self.w.orphaned:
+        if self.mode == "1.32" and (newest.path in self.w.orphaned or (
+                e is not None and e.stopped_at is not None and e.stopped_by in self.w.orphaned)):
             # A Register in flight when its process was killed went on in kubelet after the next
             # registration and took the resource's name from it: nothing the next daemon can see
-            # tells (docs/design.md, "What it cannot fix"). Counted, not failed on.
+            # tells (docs/design.md, "What it cannot fix"), or its late teardown stopped the current
+            # endpoint by name. Counted, not failed on.
             self.orphans_won += 1
             return out
         if len(live) != 1:
