@@ -17,6 +17,7 @@ mknod and no driver). docs/device-policy.md lists every rule with its reason;
 a test keeps the two in step.
 """
 
+import functools
 import os
 import stat
 from typing import Callable, Dict, Optional, Tuple
@@ -237,10 +238,16 @@ def _read_sysfs(entry: str) -> Tuple[Optional[str], Optional[str]]:
 
 def judge(node: DeviceNode) -> Optional[Refusal]:
     """The rule that refuses `node`, or None when a pod may have it."""
+    rule = _rule_for(node.kind, node.major, node.minor, node.subsystem, node.name)
+    return Refusal(node, rule) if rule is not None else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _rule_for(kind: str, major: int, minor: int, subsystem: Optional[str], name: Optional[str]) -> Optional[Rule]:
+    """The first rule that refuses such a node: a rule reads nothing but these."""
     for rule in RULES:
-        if rule.numbers(node.kind, node.major, node.minor) or (
-                node.subsystem is not None and rule.sysfs(node.subsystem, node.name or "")):
-            return Refusal(node, rule)
+        if rule.numbers(kind, major, minor) or (subsystem is not None and rule.sysfs(subsystem, name or "")):
+            return rule
     return None
 
 
