@@ -2,7 +2,7 @@
 PYTHON ?= /usr/bin/python3
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: deps demo check test test-latest bench bench-lifecycle bench-units bench-upgrade bench-boot bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
+.PHONY: deps demo check typecheck test test-latest bench bench-lifecycle bench-units bench-upgrade bench-boot bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
 
 # Test files run in parallel by `make check` and `make test` (python3-pytest-xdist, one of
 # `make deps`; without it they run one after the other).
@@ -26,16 +26,21 @@ FAST_TESTS := tests/test_api.py tests/test_cdi.py tests/test_check.py tests/test
 	tests/test_crash.py tests/test_daemon.py tests/test_docs.py tests/test_exclusive.py tests/test_handoff.py tests/test_health.py tests/test_journal.py tests/test_layout.py tests/test_machine.py tests/test_registration_parts.py \
 	tests/test_metrics.py tests/test_patterns.py tests/test_pod_resources.py tests/test_policy.py tests/test_record.py tests/test_simulation.py tests/test_unit_static.py tests/test_watch.py \
 	tests/test_invariants.py tests/test_lists.py
-check:
+check: typecheck
 	SIM_ROUNDS=500 $(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m "not slow" $(FAST_TESTS)
 
 # The whole suite, JOBS test files at a time (pytest-xdist; one worker per file, so a
 # module's container or kubelet is its own), the slowest first (tests/conftest.py). Then the
 # boot alone: its margins are milliseconds, which another test's CPU and disk would take.
-test: deps
+test: deps typecheck
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) --durations=25 --ignore=tests/test_boot.py tests
 	$(PYTHON) -m pytest -q -p no:cacheprovider -s tests/test_boot.py
 	$(MAKE) test-latest
+
+# mypy over the package for the oldest and the newest Python it claims (3.9, 3.13): a venv of
+# pinned mypy from PyPI, made once (packaging/typecheck; settings in mypy.ini).
+typecheck:
+	packaging/typecheck .venv-typecheck
 
 # The core suite again on the newest grpcio/protobuf from PyPI (the ceiling).
 test-latest:

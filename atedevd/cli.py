@@ -9,7 +9,7 @@ import os
 import sys
 import traceback
 from types import SimpleNamespace
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from atedevd import config, instance, restarts, upgrade, version
 from atedevd.systemd import journal_is_stderr, setup_logging
@@ -57,7 +57,7 @@ def _run_args(argv: List[str]) -> Optional[SimpleNamespace]:
     both parsers to the same answers)."""
     if argv[:1] != ["run"]:
         return None
-    values = {name[2:].replace("-", "_"): None for name in RUN_OPTIONS}
+    values: Dict[str, Optional[str]] = {name[2:].replace("-", "_"): None for name in RUN_OPTIONS}
     rest = argv[1:]
     while rest:
         option, *given = rest[0].split("=", 1)
@@ -75,7 +75,7 @@ def _run_args(argv: List[str]) -> Optional[SimpleNamespace]:
 
 
 def _load(args) -> config.Config:
-    overrides = {
+    overrides: Dict[str, Optional[str]] = {
         "device_plugin_dir": getattr(args, "device_plugin_dir", None),
         "dev_root": getattr(args, "dev_root", None),
         "sys_root": getattr(args, "sys_root", None),
@@ -128,7 +128,7 @@ def _run(args, cfg: config.Config) -> int:
     setup_logging(cfg.log_level)
     from atedevd.daemon import Daemon  # imports grpc: only when serving
 
-    overrides = {k: v for k, v in (("device_plugin_dir", args.device_plugin_dir), ("dev_root", args.dev_root),
+    overrides: Dict[str, Optional[str]] = {k: v for k, v in (("device_plugin_dir", args.device_plugin_dir), ("dev_root", args.dev_root),
                                    ("sys_root", args.sys_root), ("log_level", args.log_level),
                                    ("metrics_dir", args.metrics_dir)) if v is not None}
     code = EX_RUNTIME

@@ -169,7 +169,7 @@ class ConfigError(Exception):
         super().__init__("\n".join(self.errors))
 
 
-def load(path: str, required: bool = False, overrides: Optional[Mapping[str, str]] = None) -> Config:
+def load(path: str, required: bool = False, overrides: Optional[Mapping[str, Optional[str]]] = None) -> Config:
     """Read `path` (built-in defaults when it is missing and not `required`), then apply `overrides`.
 
     Raises ConfigError listing every problem in the file and the overrides.
@@ -261,7 +261,7 @@ def _parse(text: str, report: _Report, lines: "_Lines") -> Optional[dict]:
     except tomllib.TOMLDecodeError as e:
         lineno = getattr(e, "lineno", None)
         if lineno is not None:  # Python 3.14+, tomli 2.1+: the parser says where, in numbers
-            report.add(f"invalid TOML: {e.msg} (column {e.colno})", lineno)
+            report.add(f"invalid TOML: {getattr(e, 'msg', e)} (column {getattr(e, 'colno', '?')})", lineno)
         else:  # older parsers put the position in their message, which we keep whole
             report.add(f"invalid TOML: {e}", lines.first_invalid())
     except (RecursionError, MemoryError):

@@ -92,7 +92,7 @@ class Workers(futures.Executor):
         self._registering = min(self._registering + 1, self._resources)  # re-registrations add none
         self.grow(self._registering, limit=STREAMS_PER_RESOURCE * self._registering + 1)
 
-    def submit(self, fn, *args, **kwargs) -> futures.Future:
+    def submit(self, fn, /, *args, **kwargs) -> futures.Future:
         future: futures.Future = futures.Future()
         self._tasks.put((future, fn, args, kwargs))
         return future
@@ -184,7 +184,7 @@ class PluginServer:
         if not os.access(os.path.dirname(self.bind_path), os.W_OK):  # e.g. EROFS; grpc would log a stack per try
             raise OSError("cannot bind the socket: the directory is not writable")
         server = grpc.server(
-            self._workers,
+            self._workers,  # type: ignore[arg-type]  # (an Executor: grpc uses submit() alone)
             handlers=[device_plugin_handler(self)],
             options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)],
         )

@@ -81,7 +81,7 @@ def judge(node: HostNode, device: Device, cdi: bool, spec_dir: str, runtimes: It
         out.append(PodVerdict(GROUP, YES, f"{where}: with supplementalGroups: [{node.gid}] (the node's gid)"))
     else:
         out.append(PodVerdict(GROUP, NO, f"{where}: its group may not open it",
-                           f"make the host node 0660 with a group of its own (a udev rule) and give the pod that gid"))
+                           "make the host node 0660 with a group of its own (a udev rule) and give the pod that gid"))
     out.append(_cdi(device, cdi, spec_dir, runtimes, need))
     out.append(_userns(node, device, runtimes, need, where))
     return out

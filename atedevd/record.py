@@ -14,7 +14,6 @@ see each class's constructor through `dataclass_transform` (PEP 681).
 """
 
 import operator
-import sys
 from typing import TYPE_CHECKING, Any, ClassVar, Dict, Tuple, TypeVar
 
 if TYPE_CHECKING:
@@ -33,7 +32,7 @@ def _own_fields(cls: type) -> Tuple[str, ...]:
     """The names annotated in the class body itself, in order: read through `type`'s own
     descriptor, which a metaclass's attributes cannot shadow (3.14 evaluates them lazily, on
     this read); Python 3.9 has none, and would hand a class without annotations its base's."""
-    if sys.version_info < (3, 10):
+    if _class_annotations is None:
         return tuple(cls.__dict__.get("__annotations__", {}))
     return tuple(_class_annotations.__get__(cls))
 
@@ -69,7 +68,7 @@ class _RecordType(type):
         new = made["__new__"]
         new.__defaults__ = tuple(defaults[f] for f in fields[required:]) or None
         new.__qualname__ = f"{name}.__new__"
-        cls.__new__ = staticmethod(new)  # type: ignore[assignment]
+        setattr(cls, "__new__", staticmethod(new))
         cls._fields = fields
         cls._defaults = defaults
         return cls

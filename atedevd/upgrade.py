@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Iterable, List, Mapping, MutableMapping, Optional, Tuple
 
 from atedevd.handoff import Message
 
@@ -149,7 +149,7 @@ class Child:
 class Parent:
     """The predecessor, from its successor's side: our end of the channel, from the environment."""
 
-    def __init__(self, environ: Dict[str, str]) -> None:
+    def __init__(self, environ: MutableMapping[str, str]) -> None:
         self.channel = socket.socket(fileno=int(environ.pop(CHANNEL_FD)))
         self.lock_fd = int(environ.pop(LOCK_FD))
         self.inherited = frozenset(n for n in environ.pop(INHERITED, "").split(",") if n)
@@ -166,7 +166,7 @@ class Parent:
         self.channel.setblocking(False)
 
     @staticmethod
-    def asked(environ: Dict[str, str]) -> bool:
+    def asked(environ: Mapping[str, str]) -> bool:
         """This process was started as a successor."""
         return CHANNEL_FD in environ
 

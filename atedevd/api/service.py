@@ -80,7 +80,12 @@ def pod_resources_handler(servicer: object) -> grpc.GenericRpcHandler:
 
 
 class _Stub:
+    """A client of one service: each method a multi-callable (set from METHODS at run time)."""
+
     _service = ""
+
+    def __getattr__(self, name: str) -> Any:  # (only for type checkers: every method is set in __init__)
+        raise AttributeError(name)
 
     def __init__(self, channel: grpc.Channel):
         for name, m in METHODS[self._service].items():
