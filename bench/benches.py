@@ -13,7 +13,7 @@ from array import array
 from typing import List, Optional, Tuple
 
 from atedevd.plugin import PRESTARTED_WORKERS as WORKERS
-from bench.rig import BusyCore, Rig, TimedKubelet, cpu_seconds, percentile, snapshot
+from bench.rig import BusyCore, Rig, TimedKubelet, cpu_seconds, load, percentile, snapshot
 from rig.harness import OUR_SOCKETS, REPO, RESOURCE, current_socket, our_files
 from rig.kubelet_standin import MODES
 
@@ -195,38 +195,6 @@ def race(quick: bool) -> List[Row]:
 
 
 # --- Allocate -------------------------------------------------------------------------------
-
-
-def load(socket_path: str, callers: int, procs: int, duration: float = None, count: int = None, ids: str = "kvm-0") -> dict:
-    """`callers` threads spread over `procs` client processes (bench.loadgen), each asking for `ids`."""
-    per = [callers // procs + (1 if i < callers % procs else 0) for i in range(procs)]
-    start_at = time.monotonic() + 1.0 + 0.3 * procs  # after every process has connected and warmed up
-    outs, children = [], []
-    env = dict(os.environ, PYTHONPATH=REPO)
-    for threads in per:
-        fd, out = tempfile.mkstemp(prefix="atebench-lat-")
-        os.close(fd)
-        outs.append(out)
-        args = [sys.executable, "-m", "bench.loadgen", socket_path, out, "--threads", str(threads), "--start-at", str(start_at),
-                "--ids", ids]
-        args += ["--duration", str(duration)] if duration is not None else ["--count", str(count)]
-        children.append(subprocess.Popen(args, stdout=subprocess.PIPE, cwd=REPO, env=env))
-    lat = array("d")
-    calls = errors = 0
-    first, last = float("inf"), 0.0
-    for child, out in zip(children, outs):
-        summary = json.loads(child.communicate(timeout=600)[0].decode().splitlines()[0])
-        if child.returncode != 0:
-            raise RuntimeError(f"loadgen exited {child.returncode}")
-        calls += summary["calls"]
-        errors += summary["errors"]
-        first, last = min(first, summary["first"]), max(last, summary["last"])
-        with open(out, "rb") as f:
-            lat.frombytes(f.read())
-        os.unlink(out)
-    if first > start_at + 0.5:
-        print(f"  note: a client process started {first - start_at:.2f} s late", file=sys.stderr)
-    return {"lat": lat, "calls": calls, "errors": errors, "rate": calls / (last - first) if last > first else 0.0}
 
 
 def allocate(quick: bool) -> List[Row]:

@@ -77,7 +77,7 @@ def _health(k: HealthKubelet, resource: str, flip, unit: str, n: int, timeout: f
 def run(quick: bool) -> List[Row]:
     if os.geteuid() != 0:
         return [("pattern", f"{NODES}-node pattern resource", "needs root (mknod)", "", "SKIP")]
-    from bench.benches import load  # the Allocate load generator, in client processes
+    from bench.rig import load  # the Allocate load generator, in client processes
 
     calls = 500 if quick else 5000
     rounds = 10 if quick else 50

@@ -2,6 +2,7 @@
 kubelet stand-in in this process with timestamps, atedevd as a process, and
 readings of that process from /proc."""
 
+import json
 import math
 import os
 import shutil
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from typing import Optional
 
 from rig.harness import REPO, RESOURCE, Daemon, current_socket, fake_dev_root
@@ -178,3 +180,35 @@ def percentile(values, p: float) -> float:
         return float("nan")
     k = max(0, min(len(s) - 1, math.ceil(p / 100 * len(s)) - 1))  # the ceil(p% of n)-th smallest
     return s[k]
+
+
+def load(socket_path: str, callers: int, procs: int, duration: float = None, count: int = None, ids: str = "kvm-0") -> dict:
+    """`callers` threads spread over `procs` client processes (bench.loadgen), each asking for `ids`."""
+    per = [callers // procs + (1 if i < callers % procs else 0) for i in range(procs)]
+    start_at = time.monotonic() + 1.0 + 0.3 * procs  # after every process has connected and warmed up
+    outs, children = [], []
+    env = dict(os.environ, PYTHONPATH=REPO)
+    for threads in per:
+        fd, out = tempfile.mkstemp(prefix="atebench-lat-")
+        os.close(fd)
+        outs.append(out)
+        args = [sys.executable, "-m", "bench.loadgen", socket_path, out, "--threads", str(threads), "--start-at", str(start_at),
+                "--ids", ids]
+        args += ["--duration", str(duration)] if duration is not None else ["--count", str(count)]
+        children.append(subprocess.Popen(args, stdout=subprocess.PIPE, cwd=REPO, env=env))
+    lat = array("d")
+    calls = errors = 0
+    first, last = float("inf"), 0.0
+    for child, out in zip(children, outs):
+        summary = json.loads(child.communicate(timeout=600)[0].decode().splitlines()[0])
+        if child.returncode != 0:
+            raise RuntimeError(f"loadgen exited {child.returncode}")
+        calls += summary["calls"]
+        errors += summary["errors"]
+        first, last = min(first, summary["first"]), max(last, summary["last"])
+        with open(out, "rb") as f:
+            lat.frombytes(f.read())
+        os.unlink(out)
+    if first > start_at + 0.5:
+        print(f"  note: a client process started {first - start_at:.2f} s late", file=sys.stderr)
+    return {"lat": lat, "calls": calls, "errors": errors, "rate": calls / (last - first) if last > first else 0.0}
