@@ -1,20 +1,15 @@
 """The benchmarks. Each takes `quick` and returns rows for the table:
 (benchmark, figure, value, target, verdict) with verdict PASS, MISS or "" (for information)."""
 
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
-import tempfile
 import time
-from array import array
 from typing import List, Optional, Tuple
 
 from atedevd.plugin import PRESTARTED_WORKERS as WORKERS
 from bench.rig import BusyCore, Rig, TimedKubelet, cpu_seconds, load, percentile, snapshot
-from rig.harness import OUR_SOCKETS, REPO, RESOURCE, current_socket, our_files
+from rig.harness import OUR_SOCKETS, RESOURCE, current_socket, our_files
 from rig.kubelet_standin import MODES
 
 Row = Tuple[str, str, str, str, str]
