@@ -65,6 +65,25 @@ def test_a_register_refused_right_after_kubelet_sock_appears_is_sent_again_at_on
     assert [type(a) for a in again] == [m.SendRegister] and again[0].sid == send.sid  # same socket, nothing bound
 
 
+def test_a_start_that_finds_a_kubelet_sock_left_by_a_reboot_has_a_standby_ready_for_the_next_kubelet():
+    """The kubelet that left kubelet.sock is gone (a reboot): the next one wipes the socket we
+    placed, so a standby is bound at once, and when kubelet comes it is renamed into place
+    (a rename; binding a server then would take milliseconds of kubelet's first batch)."""
+    reg = Registration(RESOURCE, 4, connections_visible=True)
+    reg.handle(100.0, m.Serve(True, 40.0))  # kubelet.sock from before the reboot, a minute old
+    ask = first(reg.take(), m.AskPodResources)
+    reg.handle(100.0, m.Bound(1))
+    reg.handle(100.0, m.Listed(ask.cid, Listing.REFUSED))  # nobody there
+    reg.handle(100.0, m.Placed(1))
+    send = first(reg.take(), m.SendRegister)
+    reg.handle(100.001, m.RegisterDone(send.cid, Outcome.REFUSED))
+    bind = [a for a in reg.take() if isinstance(a, m.Bind)]
+    assert bind == [m.Bind(2, True)]  # the standby for the kubelet to come
+    reg.handle(100.001, m.Bound(2))
+    reg.handle(130.0, m.KubeletCreated(130.0, ours_present=False))  # it wiped socket 1
+    assert [type(a) for a in reg.take() if isinstance(a, (m.Place, m.Bind))] == [m.Place]
+
+
 def test_while_kubelet_is_down_nothing_is_bound_or_sent_until_kubelet_sock_appears():
     reg = registered()
     reg.handle(100.0, m.StreamEnded(1))  # kubelet died

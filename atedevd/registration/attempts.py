@@ -113,21 +113,23 @@ class Attempts:
         self.deadline, self.retry, self.why = at, retry, why
 
     def failed(self, now: float, call: RegisterInFlight, outcome: Outcome, same_socket: bool,
-               kubelet_at: Optional[float], kubelet_up: bool) -> None:
+               kubelet_at: Optional[float], kubelet_up: bool) -> bool:
         """The Register `call` was refused or failed: when, and how, to try again.
 
         Refused with the socket still ours: nobody listened on kubelet.sock, which was
         just created (again at once, on the same socket) or left by a kubelet that is gone
         (slowly). Anything else: kubelet may hold half a client of ours, so that socket
         retires and a new registration follows, at once for a kubelet that appeared
-        since the call began, else backing off."""
+        since the call began, else backing off. True when the kubelet that left kubelet.sock
+        is gone (a refusal long after the socket appeared)."""
         appeared = kubelet_at is not None and kubelet_at > call.started
         if appeared:
             self.redo = None  # the kubelet that appeared since is the next try's anyway
         if outcome is Outcome.REFUSED and same_socket:
             since = call.started - kubelet_at if kubelet_at is not None else LISTEN_GRACE_S
             if not kubelet_up or since >= LISTEN_GRACE_S:
-                delay = SLOW_RETRY_S
+                self.later(now + SLOW_RETRY_S, Retry.SAME)
+                return True  # the kubelet that left kubelet.sock is gone
             elif since < FAST_WINDOW_S:
                 delay = max(FAST_RETRY_S, (now - kubelet_at) / 2 if kubelet_at is not None else 0.0)
             else:
@@ -135,6 +137,7 @@ class Attempts:
             self.later(now + delay, Retry.SAME)
         else:
             self.later(now + (0.0 if appeared else self.backoff.next()))
+        return False
 
     def defer(self, why: Why) -> None:
         """A trigger came while a registration is under way: act on it when it ends."""

@@ -368,8 +368,12 @@ class Registration:
         current = self.book.current
         refused = e.outcome is Outcome.REFUSED
         self.moves.waiting(now, e.error or ("kubelet is not accepting connections" if refused else "Register failed"))
-        self.attempts.failed(now, call, e.outcome, current is not None and not self.book.is_gone(current),
-                             self.moves.kubelet_at, self.moves.kubelet_up)
+        away = self.attempts.failed(now, call, e.outcome, current is not None and not self.book.is_gone(current),
+                                    self.moves.kubelet_at, self.moves.kubelet_up)
+        if away and self.book.standby is None and self.moves.standby_possible:
+            # kubelet is gone (the socket a reboot left): the next one wipes the socket we placed;
+            # a standby is renamed in the moment it comes, where binding one anew takes ms
+            self.book.bind(standby=True)
 
     def _listed(self, now: float, e: m.Listed) -> None:
         question = self.questions.answered(now, e)
