@@ -12,6 +12,8 @@ import time
 import urllib.request
 from typing import Dict, List, Optional, Tuple
 
+from rig.harness import end_process
+
 NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"  # Debian's prometheus-node-exporter
 
 _SAMPLE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)\Z')
@@ -110,11 +112,5 @@ class NodeExporter:
             time.sleep(0.1)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_process(self.proc, 5)
         self._log.close()

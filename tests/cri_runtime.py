@@ -27,6 +27,7 @@ import grpc
 
 from tests import oci_runtime
 from rig.container import Container, RootfsSpec, cached_rootfs
+from rig.harness import end_process
 from tests.cri_api import cri_pb2 as cri
 
 ROOTFS = RootfsSpec("containerd", ("containerd", "runc", "containernetworking-plugins"), suite="trixie")
@@ -188,13 +189,7 @@ class Containerd:
 
     def close(self) -> None:
         self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        end_process(self.proc)
         self._log.close()
         self.overlay.destroy()
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from rig.harness import REPO, RESOURCE, NotifySocket, wait_until
+from rig.harness import REPO, RESOURCE, NotifySocket, end_process, wait_until
 from rig.kubelet_standin import Kubelet
 
 
@@ -53,13 +53,7 @@ class LimitedDaemon:
         return self.log_path.read_text()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_process(self.proc)
         self.notify.close()
 
 
