@@ -505,3 +505,45 @@ def test_every_bench_row_the_design_quotes_is_one_make_bench_prints():
     quoted = [" ".join(q.split()) for q in re.findall(r'\b(?:rows?|and) "([^"]+)"', design)]
     assert len(quoted) >= 5
     assert [q for q in quoted if q not in bench] == []
+
+
+def test_a_register_nobody_listens_for_is_sent_again_on_its_socket_as_the_design_says():
+    """docs/design.md, "A Register refused because nobody listens yet": 0.25 ms, then half the
+    socket's age (about 11 tries in the first 20 ms), then backing off to 2 s, until 5 s after
+    kubelet.sock appeared; past that, only the 10 s look."""
+    from atedevd.registration import messages as m
+    from atedevd.registration.machine import Registration
+    from atedevd.registration.messages import Listing, Outcome
+
+    reg = Registration("ate.dev/kvm", 4)
+    reg.handle(0.0, m.Serve(True, 0.0))  # kubelet.sock appeared at 0, not yet listened on
+    ask = next(a for a in reg.take() if isinstance(a, m.AskPodResources))
+    reg.handle(0.0, m.Bound(1))
+    reg.handle(0.0, m.Listed(ask.cid, Listing.REFUSED))
+    reg.handle(0.0, m.Placed(1))
+    now, sent = 0.0, []
+    while now < 30.0:
+        sends = [a for a in reg.take() if isinstance(a, m.SendRegister)]
+        assert len(sends) == 1 and sends[0].sid == 1, sends  # always the same socket, nothing bound anew
+        sent.append(now)
+        reg.handle(now, m.RegisterDone(sends[0].cid, Outcome.REFUSED))
+        now = reg.get_timer()
+        reg.handle_timer(now)
+    gaps = [b - a for a, b in zip(sent, sent[1:])]
+    assert gaps[0] == 0.00025
+    assert 9 <= sum(1 for t in sent if t < 0.02) <= 13
+    late = [g for t, g in zip(sent, gaps) if 0.02 <= t < 5.0]
+    assert late and max(late) <= 2.0
+    assert [g for t, g in zip(sent, gaps) if t >= 5.0] and all(g == 10.0 for t, g in zip(sent, gaps) if t >= 5.0)
+
+
+def test_what_the_design_says_the_simulation_runs_and_fakes_are_classes_of_the_daemon_and_the_simulation():
+    """The section "How we know it works" names the daemon's own classes the simulation runs and the ones
+    that stand in for I/O: each a class of atedevd/ or tests/simulation/ (as the code names it)."""
+    index = _code_index()
+    how = section(read("docs/design.md"), "## How we know it works")
+    how = how[:how.index("| scenario |")]
+    named = set(re.findall(r"`([A-Z][A-Za-z]+)`", how))
+    assert {"Process", "Node", "Resource", "Performer", "SimHost", "SimServer", "KubeletModel", "Directory", "World",
+            "Udev", "AtedevdProcess"} <= named
+    assert [n for n in sorted(named) if not any(isinstance(c, type) for c in index.get(n, []))] == []
