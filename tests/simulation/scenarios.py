@@ -245,6 +245,12 @@ SCENARIOS: Dict[str, Callable[[World], None]] = {
     "udev-storm": udev_storm,
 }
 UDEV = {"udev-storm"}  # scenarios whose world has udev's dev root and the overlapping resources
+# Scenarios whose daemons keep CDI specs (`[daemon] cdi = true`): where a spec's lifetime is at
+# stake (reloads, hot-plug, upgrades, a daemon stopped or killed). The others run the default
+# configuration, CDI off, which the simulation covers so too.
+CDI = {"sighup-changed", "sighup-unchanged", "sighup-resource-removed-and-back", "unit-unplugged-and-back", "udev-storm",
+       "upgrade-handover", "upgrade-successor-killed", "upgrade-disturbed", "daemon-kill-9-restart",
+       "daemon-sigterm-restart", "kubelet-and-daemon-restart"}
 
 
 def end_state(w: World) -> List[str]:
@@ -271,7 +277,7 @@ def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep:
     if fixed_wait is not None:
         handover.FIXED_WAIT_S = fixed_wait
     w = World(seed, mode, max_delay=max_delay, pod_resources=pod_resources, connections_visible=connections_visible,
-              agent_rps=agent_rps, udev=scenario in UDEV)
+              agent_rps=agent_rps, udev=scenario in UDEV, cdi=scenario in CDI)
     w.trace = keep
     w.kubelet.start()
     w.after(w.rng.uniform(0, 0.5), w.start_daemon)

@@ -70,7 +70,7 @@ _MASKS = {"create": ic.IN_CREATE, "delete": ic.IN_DELETE, "moved_to": ic.IN_MOVE
 
 class World:
     def __init__(self, seed: int, mode: str, max_delay: float = 1.0, pod_resources: bool = True, count: int = 1024,
-                 connections_visible: bool = True, agent_rps: float = 80.0, udev: bool = False):
+                 connections_visible: bool = True, agent_rps: float = 80.0, udev: bool = False, cdi: bool = True):
         self.rng = random.Random(seed)
         self.seed = seed
         self.now = 0.0
@@ -99,6 +99,7 @@ class World:
         # CDI specs (atedevd/cdi_keeper.py), in a directory of the round's own: every name a
         # daemon could have answered Allocate with resolves there after every event, and a
         # killed daemon's until the next start has written its own.
+        self.cdi = cdi  # `[daemon] cdi` for every daemon of the round (off: the default configuration)
         self.cdi_dir = tempfile.mkdtemp(prefix="atedevd-sim-cdi-", dir=_SCRATCH)
         self.cdi_problems: List[str] = []
         self.invariant_problems: List[str] = []
@@ -325,7 +326,7 @@ class AtedevdProcess:
         world.ever.append(self)
         self.host = SimHost(world, self)
         self.host.cdi = cdi_keeper.Specs(self.host.say, sharing=parent is not None)
-        self.host.cdi.configure(Config(cdi=True, cdi_spec_dir=world.cdi_dir, dev_root=world.dev_root))
+        self.host.cdi.configure(Config(cdi=world.cdi, cdi_spec_dir=world.cdi_dir, dev_root=world.dev_root))
         node = Node(PLUGIN_DIR, world.dev_root, "/sys", self.host, f"d{n}", lambda path, error: False)
         if parent is not None:
             node.held = True
