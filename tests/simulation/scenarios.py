@@ -148,7 +148,8 @@ def plugin_dir_removed(w: World) -> None:
     """kubelet's directory is deleted with everything in it, and made again when kubelet is
     restarted 0.05-1.5 s later, once or twice: nothing is served meanwhile (every state of
     the registration can be the one it meets), then everything is. Half the time atedevd is
-    restarted while the directory is gone."""
+    restarted while the directory is gone; half the time kubelet ends our stream a moment
+    before (the directory goes while kubelet lets go of the old socket)."""
     def remove():
         w.fs.remove_dir()
         gap = w.rng.uniform(0.05, 1.5)
@@ -160,7 +161,10 @@ def plugin_dir_removed(w: World) -> None:
         if w.rng.random() < 0.5:
             w.after(w.rng.uniform(0, gap), w.restart_unit)
     for _ in range(w.rng.randint(1, 2)):
-        w.after(w.rng.uniform(0, 3.0), remove)
+        at = w.rng.uniform(0, 3.0)
+        if w.rng.random() < 0.5:
+            w.after(max(0.0, at - w.rng.uniform(0, 0.05)), w.kubelet.end_stream, RESOURCE)
+        w.after(at, remove)
 
 
 def kubelet_gone_a_while(w: World) -> None:
