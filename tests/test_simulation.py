@@ -7,7 +7,9 @@ The machine's parts, event by event, are tested on their own in tests/test_machi
 tests/test_registration_parts.py.
 """
 
+import glob
 import os
+import tempfile
 
 from atedevd.registration import TRANSITIONS, handover
 from tests.simulation.scenarios import MODES, SCENARIOS, run_matrix, run_round
@@ -45,3 +47,12 @@ def test_the_simulation_finds_the_race_a_fixed_settle_leaves(monkeypatch):
     monkeypatch.setattr(handover, "FIXED_WAIT_S", 0.5)  # run_round set it for this process
     assert len(failures) > 10
     assert any("stopped" in p or "duplicate" in p for _, problems in failures for p in problems)
+
+
+def test_the_workers_remove_their_dev_roots():
+    """Each worker process makes a dev root of its own; a pool's workers exit, not killed, and
+    remove theirs (a run left two behind in /tmp every time)."""
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "atedevd-sim-dev-*")))
+    results = run_matrix(["sighup-unchanged"], ["1.32"], 4, first_seed=1, max_delay=1.0, jobs=2)
+    assert results[("sighup-unchanged", "1.32")]["rounds"] == 4
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "atedevd-sim-dev-*"))) - before == set()

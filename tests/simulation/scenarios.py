@@ -319,8 +319,14 @@ def run_matrix(scenarios, modes, rounds: int, first_seed: int, max_delay: float,
                 work.append((s, m, first_seed + start, min(per, rounds - start), max_delay, variant or {}))
     results: Dict = {(s, m): {"rounds": 0, "failures": [], "events": 0, "taken": set()} for s in scenarios for m in modes}
     if jobs > 1:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        pool = multiprocessing.get_context("fork").Pool(jobs)
+        try:
             chunks = pool.map(_chunk, work, chunksize=1)
+        except BaseException:
+            pool.terminate()
+            raise
+        pool.close()  # the workers exit, and remove their dev roots, rather than being terminated
+        pool.join()
     else:
         chunks = [_chunk(w) for w in work]
     for s, m, n, failures, events, taken in chunks:

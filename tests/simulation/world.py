@@ -10,8 +10,8 @@ random delay on the world's clock. Directory events reach the daemon in
 batches of random size, in order, as inotify's `watch.DirEvent`s.
 """
 
-import atexit
 import heapq
+import multiprocessing.util
 import os
 import random
 import shutil
@@ -51,7 +51,8 @@ def dev_root() -> str:
     global _dev_root, _dev_root_pid
     if _dev_root_pid != os.getpid():
         _dev_root, _dev_root_pid = tempfile.mkdtemp(prefix="atedevd-sim-dev-"), os.getpid()
-        atexit.register(shutil.rmtree, _dev_root, True)
+        # Removed at this process's exit, a pool worker's too (atexit does not run in one).
+        multiprocessing.util.Finalize(None, shutil.rmtree, args=(_dev_root, True), exitpriority=0)
     for name, target in _NODES.items():
         if not os.path.islink(os.path.join(_dev_root, name)):
             os.symlink(target, os.path.join(_dev_root, name))
@@ -397,9 +398,9 @@ class AtedevdProcess:
 
     def tell(self, message: Optional[Message]) -> None:
         """The other process said `message` (None: its end of the channel closed): a while later."""
-        self.w.after(self.w.delay() * 0.01, self._heard, message)
+        self.w.after(self.w.delay() * 0.01, self._channel_said, message)
 
-    def _heard(self, message: Optional[Message]) -> None:
+    def _channel_said(self, message: Optional[Message]) -> None:
         if not self.alive:
             return
         child_dead = self.process.predecessor is not None and (
