@@ -7,6 +7,7 @@ import stat
 import subprocess
 
 from rig.harness import REPO, RESOURCE
+from tests.test_layout import modules
 
 
 def read(path: str) -> str:
@@ -167,9 +168,9 @@ def test_the_readme_module_table_lists_every_module_of_the_package_and_no_other(
                 path = os.path.join(base, name) if base else name
             listed.add(path)
     package = os.path.join(REPO, "atedevd")
-    modules = {f"atedevd/{f}" for f in os.listdir(package) if f.endswith(".py") and f != "__init__.py"}
+    top_level = {f"atedevd/{f}" for f in os.listdir(package) if f.endswith(".py") and f != "__init__.py"}
     packages = {f"atedevd/{d}/" for d in os.listdir(package) if os.path.isfile(os.path.join(package, d, "__init__.py"))}
-    assert {p for p in listed if p.startswith("atedevd/")} == modules | packages
+    assert {p for p in listed if p.startswith("atedevd/")} == top_level | packages
     assert [p for p in listed if not os.path.exists(os.path.join(REPO, p))] == []
 
 
@@ -270,24 +271,20 @@ def test_no_part_of_the_registration_writes_another_parts_fields():
     _, parts = _parts()
     attrs = {name for name, _ in parts}
     found = []
-    for root, _, files in os.walk(os.path.join(REPO, "atedevd")):
-        for f in files:
-            if not f.endswith(".py"):
-                continue
-            path = os.path.join(root, f)
-            with open(path, encoding="utf-8") as src:
-                tree = ast.parse(src.read(), path)
-            for node in ast.walk(tree):
-                targets = node.targets if isinstance(node, ast.Assign) else \
-                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-                for target in targets:
-                    for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
-                        chain = t.value if isinstance(t, (ast.Attribute, ast.Subscript)) else None
-                        while isinstance(chain, (ast.Attribute, ast.Subscript)):
-                            if isinstance(chain, ast.Attribute) and chain.attr in attrs:
-                                found.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: {ast.unparse(t)}")
-                                break
-                            chain = chain.value
+    for path in modules().values():
+        with open(path, encoding="utf-8") as src:
+            tree = ast.parse(src.read(), path)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    chain = t.value if isinstance(t, (ast.Attribute, ast.Subscript)) else None
+                    while isinstance(chain, (ast.Attribute, ast.Subscript)):
+                        if isinstance(chain, ast.Attribute) and chain.attr in attrs:
+                            found.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: {ast.unparse(t)}")
+                            break
+                        chain = chain.value
     assert found == []
 
 
