@@ -59,7 +59,7 @@ class Resource:
         self.cdi = cdi_keeper.keeper_for(host, device.resource)  # its CDI spec, written before a socket has a snapshot
         self.allocations = AllocateCounts(cdi=self.cdi)  # over all its sockets
         self._version = 0
-        self.look_at_device(None, publish=False)
+        self.look_at_device(host.monotonic(), publish=False)  # (its look for now: the first wake-up's is after the watches)
         self.snapshot = self._new_snapshot()
         longest = os.path.join(host.plugin_dir, sockets.STANDBY_DIR, sockets.socket_name(device.resource, run_id, 10**6))
         self.machine = Registration(device.resource, self.snapshot.units, self.snapshot.healthy_units,
@@ -127,9 +127,9 @@ class Resource:
         its nodes now, or no longer): look at its nodes at the next chance."""
         self._looked_at = None
 
-    def look_at_device(self, now: Optional[float], publish: bool = True) -> None:
+    def look_at_device(self, now: float, publish: bool = True) -> None:
         """Have its nodes come, gone or changed since the last look? Said, and published."""
-        if now is not None and now < self.look_due:  # (the deadline's own sum: no spin)
+        if now < self.look_due:  # (the deadline's own sum: no spin)
             return  # no news in its directories since
         self._looked_at = now
         changes, changed = self.table.look()
@@ -162,7 +162,8 @@ class Resource:
         self.device = device
         self.table = node_table(device, dev_root, sys_root, self.claims)  # the nodes there now, judged afresh
         self.host_mode = HostMode(device, dev_root, sys_root, self.host.say)
-        self.look_at_device(None, publish=False)
+        self._looked_at = None
+        self.look_at_device(now, publish=False)
         self.snapshot = self._new_snapshot()
         units, healthy = self.snapshot.units, self.snapshot.healthy_units
         if anew:

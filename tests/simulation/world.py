@@ -78,6 +78,7 @@ class World:
         self.max_delay = max_delay
         self._q: list = []
         self._seq = 0
+        self._pending = 0  # queued events that are not a process's timer (`timer_at`)
         self.fs = Directory(self)
         self.kubelet = KubeletModel(self, mode, pod_resources, agent_rps)
         self.count = count
@@ -123,7 +124,14 @@ class World:
 
     def after(self, delay: float, fn, *args) -> None:
         self._seq += 1
-        heapq.heappush(self._q, (self.now + delay, self._seq, fn, args))
+        self._pending += 1
+        heapq.heappush(self._q, (self.now + delay, self._seq, fn, args, True))
+
+    def timer_at(self, at: float, fn, *args) -> None:
+        """A process's wake-up for its own timers: the only kind of event `run_until`'s
+        `settled` lets stay queued."""
+        self._seq += 1
+        heapq.heappush(self._q, (self.now + max(0.0, at - self.now), self._seq, fn, args, False))
 
     def run_until(self, t: float, settled: Optional[Callable[[], bool]] = None) -> None:
         """Every event due by `t`; with `settled`, stop sooner once nothing can change any more
@@ -132,12 +140,12 @@ class World:
         kubelet's count come, which find what is there, and the end state is what it is now."""
         q = self._q
         while q and q[0][0] <= t:
-            at, _, fn, args = heapq.heappop(q)
+            at, _, fn, args, pending = heapq.heappop(q)
             self.now = at
             self.events += 1
+            self._pending -= pending
             fn(*args)
-            if settled is not None and all(e[2].__func__ is AtedevdProcess._tick for e in q if hasattr(e[2], "__func__")) \
-                    and all(hasattr(e[2], "__func__") for e in q) and all(d.idle() for d in self.processes) and settled():
+            if settled is not None and not self._pending and all(d.idle() for d in self.processes) and settled():
                 return
         self.now = max(self.now, t)
 
@@ -483,7 +491,7 @@ class AtedevdProcess:
         at = self.process.deadline()
         if at is not None and (self._wake_at is None or at < self._wake_at):
             self._wake_at = at  # (a later one already set is moot: `_tick` ignores it)
-            self.w.after(max(0.0, at - self.w.now), self._tick, at)
+            self.w.timer_at(at, self._tick, at)
 
     def _tick(self, at: float) -> None:
         """A timer of the process is due, as the loop's wait ends at the earliest deadline."""
