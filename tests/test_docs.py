@@ -175,7 +175,7 @@ def test_the_readme_module_table_lists_every_module_of_the_package_and_no_other(
 
 
 def test_the_design_counts_and_names_every_scenario_of_the_simulation():
-    from tests.simulation.scenarios import MODES, SCENARIOS
+    from tests.simulation.scenarios import CHAIN, MODES, SCENARIOS
 
     how = section(read("docs/design.md"), "## How we know it works")
     stated = re.findall(r"\b(\d+) scenarios\b", how)
@@ -183,6 +183,8 @@ def test_the_design_counts_and_names_every_scenario_of_the_simulation():
     named = [ticked(row[0])[0] for row in table(how, "| scenario | what happens |")]
     assert sorted(named) == sorted(SCENARIOS) and len(named) == len(SCENARIOS)
     assert set(MODES) == {"1.32", "current"} and "each on both kubelet generations" in how
+    words = {10: "ten"}  # the rounds a world runs (scenarios.CHAIN), as the design says it
+    assert f"Rounds run {words.get(CHAIN, CHAIN)} to a world" in how, CHAIN
     assert "Eleven scenarios" not in read("docs/design.md")
 
 

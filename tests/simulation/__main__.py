@@ -1,9 +1,11 @@
 """Run the registration simulation: `python3 -m tests.simulation [--rounds N] [--seed S] ...`.
 
-Every round is one seed: a fresh node, kubelet started, atedevd started and
-registered, then one scenario, then the end state is asserted. A failure
-prints the seed, scenario and kubelet mode; `--replay SEED` runs that round
-alone and prints its whole history.
+Every round is one seed: one scenario disturbs a node whose atedevd is registered,
+then the end state is asserted. Rounds run ten to a world: the first begins cold
+(kubelet started, atedevd started and registered), each other at the healthy end
+of the one before. A failure prints the seed, the seed its world began at,
+scenario and kubelet mode; `--replay SEED --from WORLD_SEED` runs that world up
+to that round and prints its whole history.
 """
 
 import argparse
@@ -28,6 +30,8 @@ def main(argv=None) -> int:
                    help="a node agent's pod-resources calls a second beside us, out of kubelet's 100 (default 80)")
     p.add_argument("--fixed-wait", type=float, help="override the fixed let-go wait (seconds) where nothing shows kubelet's teardown")
     p.add_argument("--replay", type=int, metavar="SEED", help="run one round and print its history")
+    p.add_argument("--from", dest="world_seed", type=int, metavar="SEED",
+                   help="with --replay: the seed its world began at (default: the round's own, from cold)")
     a = p.parse_args(argv)
     variant = {"connections_visible": not a.blind, "pod_resources": not a.no_pod_resources, "fixed_wait": a.fixed_wait,
                "agent_rps": a.agent}
@@ -36,7 +40,8 @@ def main(argv=None) -> int:
     if a.replay is not None:
         for mode in modes:
             for name in scenarios:
-                problems, history, events, _ = run_round(a.replay, mode, name, a.max_delay, keep=True, **variant)
+                problems, history, events, _ = run_round(a.replay, mode, name, a.max_delay, keep=True,
+                                                         world_seed=a.world_seed, **variant)
                 print(f"--- {name} on kubelet {mode}, seed {a.replay}: {'; '.join(problems) or 'end state healthy'}")
                 print("\n".join(history + [f"{events} events"]))
         return 0
@@ -48,8 +53,9 @@ def main(argv=None) -> int:
     for (name, mode), r in sorted(results.items()):
         failed += len(r["failures"])
         print(f"{name:<28}{mode:<10}{r['rounds']:>8}{len(r['failures']):>8}{r['events'] / max(r['rounds'], 1):>14.0f}")
-        for seed, problems in r["failures"][:3]:
-            print(f"    seed {seed}: {'; '.join(problems)}\n    replay: python3 -m tests.simulation --replay {seed} --scenario {name} --kubelet {mode}")
+        for seed, world_seed, problems in r["failures"][:3]:
+            print(f"    seed {seed}: {'; '.join(problems)}\n    replay: python3 -m tests.simulation --replay {seed} "
+                  f"--from {world_seed} --scenario {name} --kubelet {mode}")
     taken = set().union(*(r["taken"] for r in results.values()))
     never = [f"{a.value} -> {b.value}" for a, b, _ in TRANSITIONS if (a, b) not in taken]
     if never:

@@ -6,11 +6,13 @@ its first two seconds, with every step on both sides delayed 0–`max_delay`
 for the healthy end state: kubelet running, one live stream on the daemon's
 newest socket, that endpoint current and not stopped, allocatable equal to what
 is configured, no Register in flight or teardown pending, no duplicate Register
-in one kubelet process, and the daemon itself registered.
+in one kubelet process, and the daemon itself registered. Rounds run in chains of
+`CHAIN` in one world (`run_rounds`): the first begins cold, the others at the healthy end of
+the round before, so that most of a round's work is its disturbance, not a first start.
 """
 
 import multiprocessing
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import inotify.constants as ic
 
@@ -22,6 +24,7 @@ from tests.simulation.world import PATTERN_RESOURCE, RESOURCE, UNITS, World, plu
 MODES = ("1.32", "current")
 SETTLE_S = 60.0  # simulated time after the last disturbance (kubelet's grace is 5 min)
 FIRST_S = 30.0  # simulated time for the first registration
+CHAIN = 10  # rounds one world runs, one after the other (`run_rounds`)
 
 
 def _kubelet_restart(w: World, gap_max: float) -> None:
@@ -273,39 +276,83 @@ def end_state(w: World) -> List[str]:
     return problems + [p for check in w.checks for p in check()] + w.cdi_problems + w.invariant_problems
 
 
-def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep: bool = False,
-              connections_visible: bool = True, pod_resources: bool = True,
-              fixed_wait: Optional[float] = None, agent_rps: float = 80.0) -> Tuple[List[str], List[str], int, set]:
-    """One round: the problems with its end state (none: healthy), with `keep` its history, how
-    many events it took, and every (from, to) move of a registration machine it made."""
+class Round(NamedTuple):
+    """One round's outcome: its seed, the seed of the world it ran in (its own when it began
+    cold), the problems with its end state (none: healthy), and how many events it took."""
+
+    seed: int
+    world_seed: int
+    problems: List[str]
+    events: int
+
+
+def run_rounds(first: int, count: int, mode: str, scenario: str, max_delay: float = 1.0, keep: bool = False,
+               connections_visible: bool = True, pod_resources: bool = True, fixed_wait: Optional[float] = None,
+               agent_rps: float = 80.0, chain: int = CHAIN) -> Tuple[List[Round], set, List[str]]:
+    """Rounds `first` .. `first + count - 1`, `chain` of them in one world: the first from
+    cold (kubelet started, the daemon started and registered), each other from the healthy
+    end of the one before, as a node's daemon lives through one disturbance after another. A
+    world ends after a round that failed, or whose end an orphaned Register decided (counted,
+    not failed on: the next begins cold). Returns the rounds, every (from, to) move a
+    registration machine made, and with `keep` the history of every world."""
     if fixed_wait is not None:
         handover.FIXED_WAIT_S = fixed_wait
-    w = World(seed, mode, max_delay=max_delay, pod_resources=pod_resources, connections_visible=connections_visible,
-              agent_rps=agent_rps, udev=scenario in UDEV, cdi=scenario in CDI)
-    w.trace = keep
-    w.kubelet.start()
-    w.after(w.rng.uniform(0, 0.5), w.start_daemon)
-    w.run_until(FIRST_S, settled=lambda: not end_state(w))
-    problems = [f"before the scenario: {p}" for p in end_state(w)]
-    if not problems:
-        SCENARIOS[scenario](w)
-        w.run_until(w.now + SETTLE_S, settled=lambda: not end_state(w))
-        problems = end_state(w)
+    rounds: List[Round] = []
+    taken: set = set()
+    history: List[str] = []
+    w: Optional[World] = None
+    world_seed = links = 0
+    for seed in range(first, first + count):
+        events = w.events if w is not None else 0  # a world's first round counts its start too
+        if w is None or links == chain:
+            if w is not None:
+                taken |= _end(w, history)
+            events = 0
+            w = World(seed, mode, max_delay=max_delay, pod_resources=pod_resources,
+                      connections_visible=connections_visible, agent_rps=agent_rps, udev=scenario in UDEV,
+                      cdi=scenario in CDI)
+            w.trace, world_seed, links = keep, seed, 0
+            w.kubelet.start()
+            w.after(w.rng.uniform(0, 0.5), w.start_daemon)
+            w.run_until(FIRST_S, settled=lambda: not end_state(w))
+        orphans, links = w.kubelet.orphans_won, links + 1
+        w.note("round", f"seed {seed}: {scenario}")
+        problems = [f"before the scenario: {p}" for p in end_state(w)]
+        if not problems:
+            w.checks = []  # the round's own scenario's checks only
+            SCENARIOS[scenario](w)
+            w.run_until(w.now + SETTLE_S, settled=lambda: not end_state(w))
+            problems = end_state(w)
+        rounds.append(Round(seed, world_seed, problems, w.events - events))
+        if problems or w.kubelet.orphans_won != orphans:
+            taken |= _end(w, history)
+            w = None
+    if w is not None:
+        taken |= _end(w, history)
+    return rounds, taken, history
+
+
+def _end(w: World, history: List[str]) -> set:
     w.close()
-    history = [f"{t:10.4f} {lvl or '':>2} {kind}: {text}" for t, lvl, kind, text in w.said] if keep else []
-    return problems, history, w.events, w.moves_taken()
+    history += [f"{t:10.4f} {lvl or '':>2} {kind}: {text}" for t, lvl, kind, text in w.said] if w.trace else []
+    return w.moves_taken()
+
+
+def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep: bool = False,
+              world_seed: Optional[int] = None, **variant) -> Tuple[List[str], List[str], int, set]:
+    """Round `seed` again, in its world from `world_seed` (by default its own: from cold):
+    its problems, with `keep` its world's history up to it, its events, the world's moves."""
+    start = seed if world_seed is None else world_seed
+    rounds, taken, history = run_rounds(start, seed - start + 1, mode, scenario, max_delay, keep,
+                                        chain=seed - start + 1, **variant)
+    return rounds[-1].problems, history, rounds[-1].events, taken
 
 
 def _chunk(args) -> Tuple[str, str, int, List, int, set]:
     scenario, mode, first, rounds, max_delay, variant = args
-    failures, events, taken = [], 0, set()
-    for seed in range(first, first + rounds):
-        problems, _, n, moves = run_round(seed, mode, scenario, max_delay, **variant)
-        events += n
-        taken |= moves
-        if problems:
-            failures.append((seed, problems))
-    return scenario, mode, rounds, failures, events, taken
+    done, taken, _ = run_rounds(first, rounds, mode, scenario, max_delay, **variant)
+    failures = [(r.seed, r.world_seed, r.problems) for r in done if r.problems]
+    return scenario, mode, rounds, failures, sum(r.events for r in done), taken
 
 
 def run_matrix(scenarios, modes, rounds: int, first_seed: int, max_delay: float, jobs: int,
