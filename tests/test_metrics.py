@@ -292,7 +292,12 @@ def test_node_exporter_serves_our_series_through_a_kubelet_restart(node_exporter
     kubelet.assert_healthy(RESOURCE, 1024, since=mark, new_registrations=1)
     s, text = node_exporter.wait_for(settled(2))
     assert settled(2)(s), text + d.log()
-    assert value(s, "atedevd_resource_register_calls_total", reason="kubelet-restarted", **r) == 1, text
+    # Why depends on the order the restart reaches us in: kubelet.sock new and our socket gone
+    # ("kubelet-restarted"), or our next socket bound after the wipe before the new kubelet.sock
+    # was seen ("kubelet-socket-recreated", as on a loaded machine in CI): one Register either way.
+    again = [value(s, "atedevd_resource_register_calls_total", reason=why, **r)
+             for why in ("kubelet-restarted", "kubelet-socket-recreated")]
+    assert sorted(again) == [0, 1], text
     assert value(s, "atedevd_resource_state_change_timestamp_seconds", **r) > first_change
     assert value(s, "atedevd_resource_allocate_calls_total", **r) >= 2
     assert value(s, "node_textfile_scrape_error") == 0, text
