@@ -406,7 +406,7 @@ def test_messages_over_the_64_mib_limit_are_refused_and_memory_stays_bounded(nod
     message before refusing it, and glibc keeps the freed buffers (up to about the message's
     size, varying with thread timing: 34-70 MiB measured untrimmed). After malloc_trim(0)
     the daemon holds what it held before, within 1 MiB on an idle machine; under CI's load
-    a trimmed mark was still 11-20 MiB above it 10 s on, twice in five. A message kept
+    a trimmed mark was still 10-20 MiB above it 10 s on, twice in five. A message kept
     would hold another 65 MiB per message: the bound, after each of five, is half of one."""
     huge = raw_allocate([b"k" * OVERSIZED])
     base = trimmed_rss(node)
