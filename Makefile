@@ -31,14 +31,14 @@ check: typecheck
 
 # The whole suite, JOBS test files at a time (pytest-xdist; one worker per file, so a
 # module's container or kubelet is its own), the slowest first (tests/conftest.py), and
-# beside it the core again on the newest grpcio/protobuf (LATEST_TESTS: most of its minute is
+# beside it the core again on the newest grpcio/protobuf (LATEST_PYTEST: most of its minute is
 # waiting, which the suite's CPU fills; its output follows the suite's). Then the boot alone:
 # its margins are milliseconds, which another test's CPU and disk would take.
-LATEST_TESTS := tests/test_api.py tests/test_daemon.py
+LATEST_PYTEST := .venv-latest/bin/python -m pytest -q -p no:cacheprovider tests/test_api.py tests/test_daemon.py
 test: deps typecheck
 	packaging/latest-venv .venv-latest
-	@log=$$(mktemp); .venv-latest/bin/python -m pytest -q -p no:cacheprovider $(LATEST_TESTS) >$$log 2>&1 & latest=$$!; \
-	echo "$(PYTHON) -m pytest ... tests  (and .venv-latest/bin/python -m pytest $(LATEST_TESTS) beside it)"; \
+	@log=$$(mktemp); $(LATEST_PYTEST) >$$log 2>&1 & latest=$$!; \
+	echo "$(PYTHON) -m pytest ... tests  (and $(LATEST_PYTEST) beside it)"; \
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) --durations=25 --ignore=tests/test_boot.py tests; main=$$?; \
 	wait $$latest; rc=$$?; echo "--- the core on the newest grpcio and protobuf, run beside the suite:"; cat $$log; rm -f $$log; \
 	[ $$main -eq 0 ] && [ $$rc -eq 0 ]
@@ -52,7 +52,7 @@ typecheck:
 # The core suite again on the newest grpcio/protobuf from PyPI (the ceiling).
 test-latest:
 	packaging/latest-venv .venv-latest
-	.venv-latest/bin/python -m pytest -q -p no:cacheprovider $(LATEST_TESTS)
+	$(LATEST_PYTEST)
 
 bench: deps
 	$(PYTHON) -m bench

@@ -162,7 +162,7 @@ class Resource:
         self.device = device
         self.table = node_table(device, dev_root, sys_root, self.claims)  # the nodes there now, judged afresh
         self.host_mode = HostMode(device, dev_root, sys_root, self.host.say)
-        self._looked_at = None
+        self.nodes_may_have_changed()  # a new table: its look is due now
         self.look_at_device(now, publish=False)
         self.snapshot = self._new_snapshot()
         units, healthy = self.snapshot.units, self.snapshot.healthy_units

@@ -303,11 +303,12 @@ def run_rounds(first: int, count: int, mode: str, scenario: str, max_delay: floa
     w: Optional[World] = None
     world_seed = links = 0
     for seed in range(first, first + count):
-        events = w.events if w is not None else 0  # a world's first round counts its start too
-        if w is None or links == chain:
+        if w is not None and links < chain:
+            events = w.events
+        else:
             if w is not None:
                 taken |= _end(w, history)
-            events = 0
+            events = 0  # a world's first round counts its start too
             w = World(seed, mode, max_delay=max_delay, pod_resources=pod_resources,
                       connections_visible=connections_visible, agent_rps=agent_rps, udev=scenario in UDEV,
                       cdi=scenario in CDI)
@@ -343,8 +344,8 @@ def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep:
     """Round `seed` again, in its world from `world_seed` (by default its own: from cold):
     its problems, with `keep` its world's history up to it, its events, the world's moves."""
     start = seed if world_seed is None else world_seed
-    rounds, taken, history = run_rounds(start, seed - start + 1, mode, scenario, max_delay, keep,
-                                        chain=seed - start + 1, **variant)
+    n = seed - start + 1
+    rounds, taken, history = run_rounds(start, n, mode, scenario, max_delay, keep, chain=n, **variant)
     return rounds[-1].problems, history, rounds[-1].events, taken
 
 
