@@ -1,5 +1,6 @@
 """`make bench`: start-up, re-registration, Allocate latency and throughput,
-health latency, a 64-node pattern resource beside kvm (pattern), the leak soak, idle CPU, the rejection window per lifecycle
+health latency, a 64-node pattern resource beside kvm (pattern), 2 and 8 patterns over the same
+2,000 nodes (overlap: idle CPU, a reload), the leak soak, idle CPU, the rejection window per lifecycle
 event (lifecycle) and of a package upgrade under a real systemd (upgrade: root
 and a container; the row says so when it cannot run), and Register -> healthy
 against the unit count (units), as one table.

@@ -351,6 +351,13 @@ def pattern(quick: bool) -> List[Row]:
     return pt.run(quick)
 
 
+def overlap(quick: bool) -> List[Row]:
+    """Idle CPU and a reload's answer with 2 and 8 patterns over the same 2,000 nodes (bench.overlap)."""
+    from bench import overlap as ov
+
+    return ov.run(quick)
+
+
 def upgrade(quick: bool, rounds: Optional[int] = None) -> List[Row]:
     """The rejection window of a package upgrade in a booted Debian 12 container (bench.upgrade)."""
     from bench import upgrade as up
@@ -374,6 +381,7 @@ BENCHES = {
     "allocate": allocate,
     "health": health,
     "pattern": pattern,
+    "overlap": overlap,
     "soak": soak,
     "idle": idle,
     "lifecycle": lifecycle,
