@@ -17,9 +17,8 @@ node the unit was served with is the one granted (docs/design.md, "The numbers s
 unit's"), and no `hostPath` is needed (0.5.0).
 """
 
-import hashlib
 import re
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from atedevd.record import Record
 
@@ -27,7 +26,7 @@ FILE_PREFIX = "atedevd-"  # every spec file of ours: the packages' removal scrip
 _VENDOR = re.compile(r"[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?")
 _CLASS = re.compile(r"[A-Za-z]([A-Za-z0-9_-]*[A-Za-z0-9])?")
 _NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?")
-_HASH = 10
+MAX_ID = 63  # kubelet's limit on a device ID (config.MAX_DEVICE_ID)
 
 
 def kind(resource: str) -> str:
@@ -59,25 +58,30 @@ def shared_name(resource: str) -> str:
 
 def unit_name(unit_id: str) -> str:
     """The CDI device of a pattern's unit: its ID where the ID is a valid CDI name (`vfio-12`,
-    `ttyUSB0`), else the ID's plain characters and a hash of the whole ID."""
+    `ttyUSB0`). Any other ID (`ttyUSB-`, a hashed `...~<hash>`) is written as its letters and
+    digits, `-` to make the name longer than any ID can be, a `.` and the ID in hex: a name no
+    other ID has, whatever the IDs (an ID is at most 63 characters, so an ID's own name never
+    is one of these; the part after the last `.` gives the ID back)."""
     if _NAME.fullmatch(unit_id):
         return unit_id
-    digest = hashlib.sha256(unit_id.encode()).hexdigest()[:_HASH]
-    plain = re.sub(r"[^A-Za-z0-9_.:-]", "_", unit_id).strip("_.:-")
-    return (plain[:40] + "." if plain else "u") + digest
+    code = unit_id.encode().hex()
+    plain = re.sub(r"[^A-Za-z0-9]+", "-", unit_id).strip("-") or "u"
+    return plain.ljust(MAX_ID - len(code), "-") + "." + code
+
+
+def unit_of(name: str) -> Optional[str]:
+    """The unit ID a name of `unit_name` stands for: itself, or what its hex says (None: not one of ours)."""
+    if len(name) <= MAX_ID:
+        return name
+    try:
+        return bytes.fromhex(name.rsplit(".", 1)[1]).decode()
+    except (IndexError, ValueError):
+        return None
 
 
 def qualified(resource: str, name: str) -> str:
     """`ate.dev/kvm=kvm`: what an Allocate answer names and the runtime looks up."""
     return f"{kind(resource)}={name}"
-
-
-class SpecNode(Record):
-    """One node a CDI device makes in the container: the path pods see and the numbers served."""
-
-    path: str
-    major: int
-    minor: int
 
 
 class Settings(Record):
@@ -89,14 +93,17 @@ class Settings(Record):
     permissions: str = "rw"  # the device cgroup's access
 
 
+VERSIONS = ("0.3.0", "0.4.0", "0.5.0")  # what the oldest CDI libraries in use read (0.5.x's highest is 0.5.0)
+
+
 def version(names: Iterable[str]) -> str:
     """The lowest spec version that allows these device names."""
     return "0.5.0" if any(n[:1].isdigit() for n in names) else "0.3.0"
 
 
-def device_entry(name: str, nodes: Iterable[SpecNode], settings: Settings) -> dict:
-    """One CDI device: its nodes, each with its type, numbers, container-side mode (and owner)
-    and cgroup access."""
+def device_entry(name: str, nodes: Iterable[Any], settings: Settings) -> dict:
+    """One CDI device: its nodes (devices.NodeGrant: the path pods see, the numbers judged), each
+    with its type, numbers, container-side mode (and owner) and cgroup access."""
     edits: List[dict] = []
     for n in nodes:
         node: Dict[str, object] = {"path": n.path, "type": "c", "major": n.major, "minor": n.minor,

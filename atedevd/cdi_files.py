@@ -15,9 +15,10 @@ import fcntl
 import json
 import os
 import stat
-from typing import Dict, Optional, Set
+from typing import Dict, List, Optional, Set
 
 from atedevd import cdi, trust
+from atedevd.config import read_regular
 
 MAX_SPEC_BYTES = 4 << 20
 SPEC_DIR_MODE = 0o755  # runtimes (root) read it; only root writes
@@ -84,8 +85,27 @@ class Locked:
         except ValueError:
             return None
 
-    def write(self, name: str, doc: dict) -> int:
-        """Replace `name` with `doc` atomically; the new file's inode."""
+    def stat(self, name: str) -> Optional[os.stat_result]:
+        """`name` in the directory, not followed; None when it is not there."""
+        try:
+            return os.lstat(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            return None
+
+    def specs_of_ours(self) -> List[str]:
+        """The spec files atedevd writes (`atedevd-*.json`), of any resource."""
+        return sorted(e for e in os.listdir(self.fd) if e.startswith(cdi.FILE_PREFIX) and e.endswith(".json"))
+
+    def remove(self, name: str) -> bool:
+        """Remove `name` (a regular file, not followed); True when it was there."""
+        st = self.stat(name)
+        if st is None or not stat.S_ISREG(st.st_mode):
+            return False
+        os.unlink(name, dir_fd=self.fd)
+        return True
+
+    def write(self, name: str, doc: dict) -> os.stat_result:
+        """Replace `name` with `doc` atomically; the new file's fstat."""
         data = (json.dumps(doc, separators=(",", ":")) + "\n").encode()  # (compact: the C encoder; indent is Python's)
         tmp = f"{_TMP_PREFIX}{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, SPEC_FILE_MODE,
@@ -96,7 +116,7 @@ class Locked:
             while view:
                 view = view[os.write(fd, view):]
             os.fsync(fd)
-            inode = os.fstat(fd).st_ino
+            written = os.fstat(fd)
         except BaseException:
             os.close(fd)
             os.unlink(tmp, dir_fd=self.fd)
@@ -108,7 +128,7 @@ class Locked:
             os.unlink(tmp, dir_fd=self.fd)
             raise
         os.fsync(self.fd)
-        return inode
+        return written
 
     def remove_if(self, name: str, inode: int) -> bool:
         """Remove `name` when it is still the file we wrote (no other writer replaced it)."""
@@ -131,30 +151,58 @@ class Locked:
                     pass
 
 
+def read_spec(path: str) -> Optional[str]:
+    """The text of a spec file another program may have written (a link followed, as runtimes
+    follow it): a regular file, opened without blocking, at most MAX_SPEC_BYTES; None otherwise."""
+    try:
+        _, data, _ = read_regular(path, MAX_SPEC_BYTES)  # (as the configuration is read: a device, a FIFO is never opened)
+    except (OSError, ValueError):
+        return None
+    return data.decode("utf-8", errors="replace") if len(data) <= MAX_SPEC_BYTES else None
+
+
 def resolvable(spec_dir: str) -> Set[str]:
-    """Every qualified CDI name the specs in `spec_dir` resolve, as a runtime's cache reads them:
-    each `*.json` file a valid document of a known version; a name defined by two files of the
-    directory is a conflict, and resolves to nothing."""
+    """Every qualified CDI name the specs in `spec_dir` resolve, as a runtime's cache reads them."""
+    return set(resolved(spec_dir))
+
+
+def resolved(spec_dir: str, parsed: Optional[Dict[str, tuple]] = None) -> Dict[str, list]:
+    """What every qualified CDI name the specs in `spec_dir` resolve makes: its device nodes as
+    written (dicts). As a runtime's cache reads them: each `*.json` file a valid document of a
+    known version; a name defined by two files of the directory is a conflict, and resolves to
+    nothing. `parsed`: the documents read before, by file (a checker that looks after every event
+    reads again only what changed)."""
     seen: Dict[str, int] = {}
+    nodes: Dict[str, list] = {}
     try:
         entries = sorted(os.listdir(spec_dir))
     except FileNotFoundError:
-        return set()
+        return {}
     for entry in entries:
         if not (entry.endswith(".json") or entry.endswith(".yaml")):
             continue
+        path = os.path.join(spec_dir, entry)
         try:
-            with open(os.path.join(spec_dir, entry), "rb") as f:
-                doc = json.loads(f.read(MAX_SPEC_BYTES))
+            with open(path, "rb") as f:
+                raw = f.read(MAX_SPEC_BYTES)
+            if parsed is not None and parsed.get(path, (None,))[0] == raw:
+                doc = parsed[path][1]
+            else:
+                doc = json.loads(raw)
+                if parsed is not None:
+                    parsed[path] = (raw, doc)
         except (OSError, ValueError):
             continue
-        if not isinstance(doc, dict) or doc.get("cdiVersion") not in ("0.3.0", "0.4.0", "0.5.0") \
+        if not isinstance(doc, dict) or doc.get("cdiVersion") not in cdi.VERSIONS \
                 or not isinstance(doc.get("kind"), str):
             continue
         names = cdi.device_names(doc)
         if len(set(names)) != len(names):
             continue  # an invalid spec: none of its devices
-        for name in names:
-            q = f"{doc['kind']}={name}"
-            seen[q] = seen.get(q, 0) + 1
-    return {q for q, n in seen.items() if n == 1}
+        for d in doc["devices"]:
+            if isinstance(d, dict) and isinstance(d.get("name"), str):
+                q = f"{doc['kind']}={d['name']}"
+                seen[q] = seen.get(q, 0) + 1
+                edits = d.get("containerEdits")
+                nodes[q] = list(edits.get("deviceNodes") or ()) if isinstance(edits, dict) else []
+    return {q: nodes[q] for q, n in seen.items() if n == 1}

@@ -44,7 +44,7 @@ OK, PROBLEM, WARNING = "ok", "problem", "warning"  # a finding's status; only pr
 class Finding:
     """One thing `check` looked at: its verdict in words, and the fix when there is one."""
 
-    check: str  # what was checked: device, char-link, non-root, pod-kind, cdi-spec-dir, plugin-dir, sandbox, kubelet-socket, kubelet-count
+    check: str  # what was checked: device, char-link, non-root, pod-kind, runtime, cdi-spec-dir, plugin-dir, sandbox, kubelet-socket, kubelet-count
     subject: str  # the resource, or the path checked
     status: str  # OK, PROBLEM (NOT READY) or WARNING (said, exit status unchanged)
     message: str
@@ -99,6 +99,10 @@ def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]], runtimes:
 
     report = NodeReport(cfg.source, cfg.dev_root, cfg.device_plugin_dir)
     found = (runtimes or runtime_files.read)()
+    for r in found:
+        for problem in r.problems:  # what the verdicts below could not take into account
+            report.add("runtime", r.name, WARNING, problem, f"mend {problem.split(':', 1)[0]}; until then the pod "
+                       "kinds below take that runtime's defaults")
     for dev in cfg.devices:
         _check_device(cfg, dev, report)
         pod_checks.add(cfg, dev, report, found)

@@ -49,7 +49,7 @@ class Claims:
         self._tables: Dict[str, Any] = {}  # resource -> its table (recheck)
         self._ids: Dict[str, Dict[str, str]] = {}  # resource -> ID -> the path it meant first
         self._open: Dict[int, Set[str]] = {}  # st_rdev -> the resources in a conflict over it
-        self._said: Set[Tuple[int, FrozenSet[str]]] = set()
+        self._said: Dict[int, Set[FrozenSet[str]]] = {}  # st_rdev -> the pairs whose conflict over it was said
         self._memo: Dict[str, Reach] = {}
 
     def configure(self, devices: Iterable[Device], dev_root: str) -> None:
@@ -91,9 +91,10 @@ class Claims:
             ways = [way for way, alone in self._reach(other).get(rdev, ()) if exclusive or alone]
             if not ways or policy.refused(policy.judge(node), self._devices[other].allow_host_access):
                 continue
-            key = (rdev, frozenset((name, other)))
-            news = key not in self._said
-            self._said.add(key)
+            pair = frozenset((name, other))
+            said = self._said.setdefault(rdev, set())
+            news = pair not in said
+            said.add(pair)
             self._open.setdefault(rdev, set()).update((name, other))
             if news:  # it may serve the node now, or be about to: it judges it again at once
                 self._tell(other, rdev)
@@ -109,7 +110,10 @@ class Claims:
         if not names or name not in names:
             return
         names.discard(name)
-        self._said = {k for k in self._said if not (k[0] == rdev and name in k[1])}
+        said = self._said.get(rdev, set())
+        said -= {pair for pair in said if name in pair}
+        if not said:
+            self._said.pop(rdev, None)
         for other in names:
             self._tell(other, rdev)
         if len(names) <= 1:

@@ -20,11 +20,13 @@ strings, quoting and headers and silently points at wrong lines when it errs;
 this way a line is either the parser's or absent.
 """
 
+import errno
 import functools
 import os
 import re
 import stat
 import sys
+import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from atedevd import policy, sockets, trust
@@ -39,6 +41,8 @@ EX_CONFIG = 78
 DEFAULT_CONFIG_PATH = "/etc/atedevd/config.toml"
 
 MAX_FILE_BYTES = 1 << 20
+SETTLE_S = 0.05  # a file changed more recently than this may be half written: read again after it
+SETTLE_LIMIT_S = 2.0  # a file still changing after this long is not applied
 MIN_COUNT, MAX_COUNT = 1, 65536
 MAX_DEVICE_ID = 63  # kubelet's limit on a device ID
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -208,32 +212,32 @@ class _Report:
 
 
 def _read(path: str, required: bool, report: _Report) -> Optional[str]:
-    """The file's text; None when absent-and-optional or unreadable (then reported)."""
-    try:
-        # O_NONBLOCK: a FIFO at the path must not hang the daemon or `check-config`.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        if required:
-            report.add("cannot read: file not found")
-        return None
-    except (OSError, ValueError) as e:  # ValueError: NUL in the path
-        report.add(f"cannot read: {getattr(e, 'strerror', None) or e}")
-        return None
-    try:
-        st = os.fstat(fd)
-        mode = st.st_mode
-        if not stat.S_ISREG(mode):
-            os.close(fd)
-            report.add(f"cannot read: not a regular file ({file_type(mode)})")
+    """The file's text, read whole; None when absent-and-optional or unreadable (then reported).
+
+    A file rewritten in place (an editor, `cat >`) is for a moment empty or half written, and
+    half a TOML document is often a valid one with fewer devices (an empty one is the built-in
+    /dev/kvm). So a read counts only when the file is the same before and after it (inode,
+    size, times) and was last changed `SETTLE_S` ago or more, or reads the same again after
+    that long; a file that keeps changing for `SETTLE_LIMIT_S` is not applied."""
+    deadline = time.monotonic() + SETTLE_LIMIT_S
+    last: Optional[Tuple[tuple, bytes]] = None
+    while True:
+        got = _read_once(path, required, report)
+        if got is None:
             return None
-        # It decides which host devices pods reach: only root may be able to change it.
-        for problem in trust.problems(path, st):
-            report.add(f"not trusted: {problem}")
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        report.add(f"cannot read: {e.strerror or e}")
-        return None
+        st, raw, stable = got
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        age = time.time() - max(st.st_mtime, st.st_ctime)
+        if stable and (age >= SETTLE_S or last == (key, raw)):
+            break
+        if time.monotonic() >= deadline:
+            report.add(f"the file kept changing while it was read (rewritten in place?), for {SETTLE_LIMIT_S:g} s: "
+                       "not applied; replace it whole instead (write a new file beside it, then rename it over)")
+            return None
+        last = (key, raw) if stable else None
+        time.sleep(min(SETTLE_S, max(0.001, SETTLE_S - age)))
+    for problem in trust.problems(path, st):  # it decides which host devices pods reach: only root may change it
+        report.add(f"not trusted: {problem}")
     if len(raw) > MAX_FILE_BYTES:
         report.add(f"file is larger than {MAX_FILE_BYTES} bytes")
         return None
@@ -243,6 +247,42 @@ def _read(path: str, required: bool, report: _Report) -> Optional[str]:
         line = raw.count(b"\n", 0, e.start) + 1
         report.add(f"not valid UTF-8 (byte {e.start})", line)
         return None
+
+
+def _read_once(path: str, required: bool, report: _Report) -> Optional[Tuple[os.stat_result, bytes, bool]]:
+    """One read: (the descriptor's fstat, the bytes, whether the file stayed the one at the
+    path and unchanged throughout); None when it cannot be read (reported)."""
+    try:
+        return read_regular(path, MAX_FILE_BYTES)
+    except FileNotFoundError:
+        if required:
+            report.add("cannot read: file not found")
+    except (OSError, ValueError) as e:  # ValueError: NUL in the path
+        report.add(f"cannot read: {getattr(e, 'strerror', None) or e}")
+    return None
+
+
+def read_regular(path: str, limit: int) -> Tuple[os.stat_result, bytes, bool]:
+    """A regular file's first `limit` + 1 bytes, opened without blocking (a FIFO at the path must
+    not hang the daemon or `check`; a device is never opened), as (its fstat, the bytes, whether
+    it stayed the one at the path and unchanged throughout). Raises OSError, whose strerror says
+    what is wrong ("not a regular file (FIFO)"), and ValueError for a path with a NUL."""
+    if not stat.S_ISREG(os.stat(path).st_mode):  # (a device, a FIFO: not even opened)
+        raise OSError(errno.EINVAL, f"not a regular file ({file_type(os.stat(path).st_mode)})")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"not a regular file ({file_type(st.st_mode)})")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(limit + 1)
+        after = os.fstat(fd)
+        there = os.stat(path)
+    finally:
+        os.close(fd)
+    same = lambda a, b: (a.st_dev, a.st_ino, a.st_size, a.st_mtime_ns, a.st_ctime_ns) == \
+        (b.st_dev, b.st_ino, b.st_size, b.st_mtime_ns, b.st_ctime_ns)  # noqa: E731
+    return st, raw, same(st, after) and same(st, there) and (len(raw) == st.st_size or len(raw) > limit)
 
 
 def file_type(mode: int) -> str:
@@ -676,6 +716,7 @@ def _check_policy(cfg: Config, lines: Optional[_Lines], report: _Report) -> None
     resources reach (atedevd/claims.py: served by neither, at start as later)."""
     for i, dev in enumerate(cfg.devices):
         keys = ([] if dev.pattern else [("path", dev.path)]) + [("companions", c) for c in dev.companions]
+        _check_way(cfg, i, dev, lines, report)
         for key, path in keys:
             try:
                 found = policy.refusal(host_path(path, cfg.dev_root), cfg.sys_root)
@@ -691,6 +732,23 @@ def _check_policy(cfg: Config, lines: Optional[_Lines], report: _Report) -> None
                 line = lines.of("device", i, "host_mode") if lines else None
                 report.add(f"[[device]] #{i + 1} host_mode: {_q(path)} ({dev.resource}): refused: {found}; "
                            "atedevd never widens the host's mode of such a node", line)
+
+
+def _check_way(cfg: Config, i: int, dev: Device, lines: Optional[_Lines], report: _Report) -> None:
+    """Refuse a device whose way to its nodes someone other than root can change: a directory
+    or link on the way to its path (a pattern's directory whole: anyone who may add a name
+    chooses a node) or to a companion. What is not there yet is judged when it appears."""
+    ways = [("path", dev.path, trust.directory_problems(Pattern(dev.path, cfg.dev_root).host_directory) if dev.pattern
+             else trust.device_problems(host_path(dev.path, cfg.dev_root)))]
+    ways += [("companions", c, trust.device_problems(host_path(c, cfg.dev_root))) for c in dev.companions]
+    for key, path, problems in ways:
+        if not problems:
+            continue
+        if cfg.devices is DEFAULT_DEVICES:
+            where, line = "the built-in device", None
+        else:
+            where, line = f"[[device]] #{i + 1} {key}", lines.of("device", i, key) if lines else None
+        report.add(f"{where}: {_q(path)} ({dev.resource}): not trusted: {problems[0]}", line)
 
 
 def _apply_overrides(cfg: Config, overrides: Mapping[str, Optional[str]], report: _Report) -> Config:

@@ -154,8 +154,7 @@ class Daemon:
             event(INFO, "stopping", f"handed over to the new atedevd (pid {self.peers.successor_pid}); removing our sockets")
         else:
             event(INFO, "stopping", "stopping: removing our sockets")
-        self.node.close(time.monotonic())
-        self.cdi.close(self._handed_over)  # the specs nothing else will serve
+        self.node.close(time.monotonic())  # (the CDI specs stay: kubelet's checkpointed answers name them)
         sockets.remove_standby_dir(self.cfg.device_plugin_dir)  # nothing of ours left in kubelet's directory
         self._write_metrics(force=True)  # the last word: every resource stopped, not registered (not after a handover: off)
         self._workers.shutdown(wait=False)

@@ -7,61 +7,60 @@ nobody on the host. So such a pod opens the node only where the host node lets o
 read and write it. An operator who decides for that sets `host_mode = 0o666` on the
 device; atedevd then applies it at start and again whenever udev (or anyone) changes the
 mode, with no udev rule of their own. It never widens a node the device policy refuses
-(atedevd/policy.py), opted in or not: the node is judged on the descriptor that is then
-changed (opened O_PATH, which opens no device), so a link retargeted in between changes
-nothing it did not judge.
+(atedevd/policy.py), opted in or not, nor one its table did not judge present for the
+device: only a node with the numbers its table judged is changed, through the descriptor
+then checked (opened O_PATH, which opens no device), so a link retargeted or a node made
+anew in between changes nothing that was not judged.
 """
 
 import logging
 import os
 import stat
-from typing import Callable, List
+from typing import Callable, Iterable, Tuple
 
 from atedevd import policy
-from atedevd.config import Device, Pattern, host_path
+from atedevd.config import Device
 
 
 class HostMode:
-    def __init__(self, device: Device, dev_root: str, sys_root: str, say: Callable[..., None]) -> None:
-        self.device, self.dev_root, self.sys_root, self.say = device, dev_root, sys_root, say
-        self._pattern = Pattern(device.path, dev_root) if device.pattern else None
+    def __init__(self, device: Device, sys_root: str, say: Callable[..., None]) -> None:
+        self.device, self.sys_root, self.say = device, sys_root, say
 
-    def keep(self) -> None:
-        """Every node of the device at its host mode (a stat each when they are)."""
+    def keep(self, judged: Iterable[Tuple[str, Tuple[int, int]]]) -> None:
+        """Every node the table judged present and allowed (host path, numbers) at its host
+        mode: an fstat each when they are. Only the node with the numbers judged is changed,
+        whatever the path names by now."""
         mode = self.device.host_mode
         if mode is None:
             return
-        for path in self._paths():
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue  # not there: looked at again when it appears
-            if stat.S_ISCHR(st.st_mode) and stat.S_IMODE(st.st_mode) != mode:
-                self._apply(path, mode)
+        for path, numbers in judged:
+            self._keep(path, numbers, mode)
 
-    def _paths(self) -> List[str]:
-        paths = [host_path(p, self.dev_root) for p in self.device.companions]
-        if self._pattern is None:
-            return [self.device.host_path(self.dev_root)] + paths
-        return [self._pattern.host_path_of(n) for n in self._pattern.names()] + paths
-
-    def _apply(self, path: str, mode: int) -> None:
+    def _keep(self, path: str, numbers: Tuple[int, int], mode: int) -> None:
         res = self.device.resource
         try:
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            if stat.S_IMODE(os.stat(path).st_mode) == mode:
+                return  # (the usual case: a stat, nothing opened)
         except OSError:
             return
         try:
-            here = f"/proc/self/fd/{fd}"
-            node = policy.look(here, self.sys_root)
-            found = policy.judge(node) if node is not None else None
-            if node is None or found is not None:
-                if found is not None:
-                    numbers = node.numbers if node is not None else None
-                    self.say(logging.ERROR, "host-mode-refused", f"{res}: host_mode: not applied to {path}: {found}",
-                             once=f"host-mode-refused:{path}:{numbers}", resource=res, device=path)
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)  # opens no device
+        except OSError:
+            return  # gone: judged again at the next look
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISCHR(st.st_mode) or st.st_rdev != os.makedev(*numbers):
+                return  # not the node judged (udev made another since): the next look judges it
+            before = stat.S_IMODE(st.st_mode)
+            if before == mode:
                 return
-            before = stat.S_IMODE(os.fstat(fd).st_mode)
+            here = f"/proc/self/fd/{fd}"
+            node = policy.look(here, self.sys_root, st)
+            found = policy.judge(node) if node is not None else None
+            if found is not None:  # (judged allowed: a rule that matched since, say by sysfs, still wins)
+                self.say(logging.ERROR, "host-mode-refused", f"{res}: host_mode: not applied to {path}: {found}",
+                         once=f"host-mode-refused:{path}:{node.numbers if node else None}", resource=res, device=path)
+                return
             os.chmod(here, mode)  # the inode judged, whatever the path names now
         except OSError as e:
             self.say(logging.ERROR, "host-mode", f"{res}: cannot keep {path} at {mode:04o}: {e.strerror or e}",

@@ -20,7 +20,7 @@ import stat
 from typing import Callable, Dict, List, Optional, Tuple
 
 from atedevd import policy
-from atedevd.devices import Served
+from atedevd.devices import Served, UnitSnapshot
 from atedevd.record import Record
 
 
@@ -75,6 +75,7 @@ class Invariants:
             served = r.table.served()
             units = [s for s in served if s.role == "unit"]
             self._check_ids(name, r.snapshot, units, found)
+            self._check_grants(name, r.snapshot, served, found)
             companions = [s for s in served if s.role == "companion"]
             for what, nodes, exclusive in self._healthy(r.snapshot, served, units, companions):
                 for s in nodes:
@@ -93,7 +94,7 @@ class Invariants:
 
     def _healthy(self, snapshot, served, units, companions):
         """(what, the nodes it needs, exclusive) for each unit the snapshot lists Healthy."""
-        if snapshot.by_id is None:
+        if not isinstance(snapshot, UnitSnapshot):
             if snapshot.healthy:
                 yield "every unit", [s for s in served if s.role != "unit"], False
             return
@@ -107,8 +108,18 @@ class Invariants:
             else:
                 yield f"unit {unit.id}", [s] + companions, True
 
+    def _check_grants(self, name: str, snapshot, served, found: List[str]) -> None:
+        """What a grant would make (the snapshot's nodes, which Allocate and the CDI spec carry)
+        is exactly what the table judged and serves: each node with the numbers first served."""
+        first = {s.path: s.first for s in served}
+        for key, nodes in snapshot.grants().items():
+            for n in nodes:
+                if first.get(n.path) != (n.major, n.minor):
+                    found.append(f"{name}: {'unit ' + key if key else 'the grant'} makes {n.path} as {n.major}:{n.minor}, "
+                                 f"not the {first.get(n.path)} its table serves")
+
     def _check_ids(self, name: str, snapshot, units, found: List[str]) -> None:
-        listed = [(u.id, u.path) for u in (snapshot.by_id or {}).values()]
+        listed = [(u.id, u.path) for u in (snapshot.by_id.values() if isinstance(snapshot, UnitSnapshot) else ())]
         paths: Dict[str, str] = {}
         for uid, path in listed + [(s.id, s.path) for s in units]:
             if paths.setdefault(uid, path) != path:

@@ -49,13 +49,9 @@ class SentLists:
         with self._lock:
             lists = [s for s, until in self._sent if until is None or until > now]
         for snapshot in reversed(lists):
-            if snapshot.by_id is None:
-                if snapshot.healthy and device_id in snapshot.ids:
-                    return snapshot
-            else:
-                unit = snapshot.by_id.get(device_id)
-                if unit is not None and unit.healthy:
-                    return unit
+            found = snapshot.listed_healthy(device_id)
+            if found is not None:
+                return found
         return None
 
 

@@ -123,7 +123,8 @@ class Node:
         serves (its nodes', and those its links lead through), when that changed since the
         last call (None: unchanged). A change in a directory before its watch was armed has
         no event: every resource looks once more when one is new."""
-        dirs = frozenset().union(*(r.directories for r in self.resources.values())) | {self.plugin_dir}
+        specs = self.host.cdi.directories() if self.host.cdi is not None else frozenset()
+        dirs = frozenset().union(*(r.directories for r in self.resources.values())) | {self.plugin_dir} | specs
         if dirs == self._watched:
             return None
         new, self._watched = dirs - self._watched, dirs
@@ -138,6 +139,8 @@ class Node:
         news = interpret(events, self.plugin_dir, [*self.resources, *self.leaving])
         if self.stopping:
             return news
+        if self.host.cdi is not None:  # the CDI specs' directory (atedevd/cdi_keeper.py)
+            self.host.cdi.changed(news.directories if not news.events_lost else self.host.cdi.directories())
         self.look_at_kubelet(now, news.kubelet_created, news.events_lost)
         for r in self.all_resources():
             if news.events_lost or not news.directories.isdisjoint(r.directories):
@@ -172,6 +175,8 @@ class Node:
             if r.stopped:  # kubelet let go of it: gone, and a new one of its name may be served
                 r.handle(now, m.CloseAll())
                 del self.leaving[name]
+                if name not in self.resources and self.host.cdi is not None:
+                    self.host.cdi.retire(name)  # its CDI spec goes with it
         return self.reconcile(now)
 
     def reconcile(self, now: float) -> bool:

@@ -167,9 +167,6 @@ class PluginServer:
         self._primary_taken = False
         self._server: Optional[grpc.Server] = None
         self.inode: Optional[int] = None
-        self._spec = pb.DeviceSpec(
-            container_path=device.path, host_path=device.path, permissions=device.permissions
-        )
         # Nodes every unit brings along (VFIO: /dev/vfio/vfio), in every answer.
         self._companions = _companion_specs(device)
         self._sent = lists.SentLists()  # what kubelet may still allocate from (atedevd/lists.py)
@@ -228,7 +225,6 @@ class PluginServer:
     def retarget(self, device: Device) -> None:
         """A reload changed what Allocate answers (the path, the permissions, the companions):
         the next Allocate answers with it, on the same socket, for the same registration."""
-        self._spec = pb.DeviceSpec(container_path=device.path, host_path=device.path, permissions=device.permissions)
         self._companions = _companion_specs(device)
         self.device = device
 
@@ -306,32 +302,16 @@ class PluginServer:
     def _allocate(self, request, context):
         snap = self._snapshot
         resp = pb.AllocateResponse()
+        earlier = lambda i: self._sent.earlier(i, time.monotonic())  # noqa: E731
         for n, creq in enumerate(request.container_requests):
             problem = self._check_ids(creq.devices_ids, snap)
             if problem:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"container request {n}: {problem}")
-            if snap.by_id is None:
-                if not snap.healthy:
-                    missing = " (or a companion node is missing)" if self._companions else ""
-                    context.abort(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"{self.device.resource}: {self.device.path} is not present on this node{missing}",
-                    )
-                # Any number of units of one device still mean one device node.
-                specs = [self._spec]
-            else:  # one node per unit
-                gone = [i for i in dict.fromkeys(creq.devices_ids) if i not in snap.by_id]
-                if gone:  # in a list kubelet may still hold (_check_ids), not in ours
-                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"container request {n}: " + lists.left(
-                        self._sent.earlier(gone[0], time.monotonic()), self.device.resource))
-                units = [snap.by_id[i] for i in dict.fromkeys(creq.devices_ids)]
-                down = [u for u in units if not u.healthy]
-                if down:
-                    named = ", ".join(f"{_quote(u.id)} ({u.path})" for u in down[:_NAMED_IDS])
-                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"container request {n}: {self.device.resource}: unit {named} is not healthy on this node")
-                perm = self.device.permissions
-                specs = [pb.DeviceSpec(container_path=u.path, host_path=u.path, permissions=perm) for u in units]
+            refusal = snap.refusal(creq.devices_ids, earlier)
+            if refusal:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"container request {n}: {refusal}")
+            perm = self.device.permissions
+            specs = [pb.DeviceSpec(container_path=p, host_path=p, permissions=perm) for p in snap.paths(creq.devices_ids)]
             answer = resp.container_responses.add()
             cdi = self._allocations.cdi
             names = cdi.names(creq.devices_ids) if cdi is not None else ()
@@ -347,8 +327,7 @@ class PluginServer:
         from atedevd.patterns import preferred  # loaded where some device has a pattern
 
         snap = self._snapshot
-        by_id = snap.by_id if snap is not None and snap.by_id is not None else {}
-        numa = lambda i: by_id[i].numa if i in by_id else ()  # noqa: E731
+        numa = snap.numa if snap is not None else (lambda i: ())
         resp = pb.PreferredAllocationResponse()
         for creq in request.container_requests:
             chosen = preferred(creq.available_deviceIDs, creq.must_include_deviceIDs, creq.allocation_size, numa)

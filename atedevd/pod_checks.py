@@ -4,7 +4,7 @@ CDI specs."""
 
 import os
 import stat
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from atedevd import pod_kinds, trust
 from atedevd.config import Config, Device
@@ -64,3 +64,28 @@ def spec_dir(cfg: Config, props: Optional[Dict[str, str]], report) -> None:
                    f"a drop-in with ExecStartPre=-+/bin/mkdir -p -m 0755 {path} and ReadWritePaths=-{path}")
         return
     report.add("cdi-spec-dir", path, OK, f"CDI specs are written to {path}")
+    for entry, kind in foreign_specs(cfg):
+        report.add("cdi-spec-dir", entry, PROBLEM, f"{entry} defines CDI kind {kind}, atedevd's: a name both specs "
+                   "define resolves to nothing, and atedevd answers none of them",
+                   "remove that file, or give the program that wrote it another kind")
+
+
+def foreign_specs(cfg: Config) -> List[Tuple[str, str]]:
+    """(path, kind) of every spec in cdi_spec_dir that another program wrote with one of our kinds."""
+    from atedevd import cdi, cdi_keeper
+
+    kinds = {cdi.kind(d.resource) for d in cfg.devices}
+    ours = {cdi.file_name(d.resource) for d in cfg.devices}
+    try:
+        entries = sorted(os.listdir(cfg.cdi_spec_dir))
+    except OSError:
+        return []
+    out = []
+    for entry in entries:
+        if entry in ours or not entry.endswith((".json", ".yaml")):
+            continue
+        path = os.path.join(cfg.cdi_spec_dir, entry)
+        found = cdi_keeper.kind_and_names(path, kinds)
+        if found is not None and found[0] in kinds:
+            out.append((path, found[0]))
+    return out

@@ -83,7 +83,7 @@ def judge(node: HostNode, device: Device, cdi: bool, spec_dir: str, runtimes: It
         out.append(PodVerdict(GROUP, NO, f"{where}: its group may not open it",
                            "make the host node 0660 with a group of its own (a udev rule) and give the pod that gid"))
     out.append(_cdi(device, cdi, spec_dir, runtimes, need))
-    out.append(_userns(node, device, runtimes, need, where))
+    out.append(_userns(node, device, out[-1].opens == YES, runtimes, need, where))
     return out
 
 
@@ -91,11 +91,17 @@ def _cdi(device: Device, cdi: bool, spec_dir: str, runtimes: List[Runtime], need
     if not cdi:
         return PodVerdict(CDI, NO, "cdi = false: answers carry the DeviceSpec alone",
                        "[daemon] cdi = true (containerd 1.7 with enable_cdi = true, containerd 2.x, CRI-O)")
-    off = [r for r in runtimes if r.cdi is False]
+    off = [r for r in runtimes if r.cdi is not True]
     if off:
         r = off[0]
-        return PodVerdict(CDI, NO, f"{r.name} does not honour CDI names ({r.source}: enable_cdi = false)",
-                       f"enable_cdi = true in {r.source}, then restart {r.name}")
+        if r.cdi is False and r.enable_cdi is None:
+            why = f"{r.name} {r.version} does not honour CDI names unless enable_cdi = true, which {r.source} does not set"
+        elif r.cdi is False:
+            why = f"{r.name} does not honour CDI names ({r.source}: enable_cdi = false)"
+        else:
+            why = (f"{r.name}'s version is not known and {r.source} does not set enable_cdi: containerd 1.x, as shipped, "
+                   "does not honour CDI names (2.x does)")
+        return PodVerdict(CDI, NO, why, f"enable_cdi = true in {r.source}, then restart {r.name}")
     blind = [r for r in runtimes if spec_dir.rstrip("/") not in [d.rstrip("/") for d in r.spec_dirs]]
     if blind:
         r = blind[0]
@@ -114,22 +120,44 @@ def _cdi(device: Device, cdi: bool, spec_dir: str, runtimes: List[Runtime], need
                    "container_mode = 0o666 (the default) in this [[device]]")
 
 
-def _userns(node: HostNode, device: Device, runtimes: List[Runtime], need: int, where: str) -> PodVerdict:
-    crun = [r.name for r in runtimes if r.oci_runtime == "crun"]
-    note = (f" ({', '.join(crun)} runs crun, which makes the node instead: measured with crun 1.8, as root in "
-            "the user namespace it opens as through the other rows)") if crun else ""
+def _userns(node: HostNode, device: Device, cdi: bool, runtimes: List[Runtime], need: int, where: str) -> PodVerdict:
+    """The user-namespace verdict, by the OCI runtime each container runtime runs (runc when none says)."""
+    verdicts = [_userns_crun(device, cdi and r.cdi is True, r, need) if r.oci_runtime == "crun" else
+                _userns_runc(node, device, need, where) for r in runtimes] or [_userns_runc(node, device, need, where)]
+    worst = next((v for v in verdicts if v.opens == NO), verdicts[0])
+    if len({v.why for v in verdicts}) > 1:  # the runtimes differ: each says its own
+        worst = worst._replace(why="; ".join(f"{r.name}: {v.why}" for r, v in zip(runtimes, verdicts)))
+    return worst
+
+
+def _userns_crun(device: Device, cdi: bool, runtime: Runtime, need: int) -> PodVerdict:
+    """crun makes the node in the user namespace itself (measured: crun 1.8.1, podman 4.3): with the
+    spec's mode and the container's user as owner through CDI, else the host node's mode less the
+    umask (0660 becomes 0640) and the container's root as owner."""
+    who = f"{runtime.name} runs crun, which makes the node in the user namespace itself"
+    if cdi and device.container_uid is None:
+        return PodVerdict(USERNS, YES, f"{who}, as the CDI spec says: owned by the container's user")
+    if cdi and _lets(device.container_mode & ~0o022, 0, need):
+        return PodVerdict(USERNS, YES, f"{who}, as the CDI spec says: {device.container_mode & ~0o022:04o}")
+    return PodVerdict(USERNS, NO, f"{who}, with the host node's mode less the umask (0660 becomes 0640), owned by the "
+                                  "container's root: root in the user namespace opens it, another user does not",
+                      "[daemon] cdi = true (crun then makes the node the container's user's)" if not cdi else
+                      "leave container_uid unset in this [[device]] (the node is then the container's user's)")
+
+
+def _userns_runc(node: HostNode, device: Device, need: int, where: str) -> PodVerdict:
     if node.at_container_path != node.rdev:
         return PodVerdict(USERNS, NO, f"runc bind-mounts the host's {node.container_path} (the container path), which "
                                    f"is {'missing' if node.at_container_path is None else 'another node'}, not "
-                                   f"{node.host_path}{note}",
+                                   f"{node.host_path}",
                        f"serve the node at the path pods see: {node.container_path} on the host")
     if device.host_mode is not None and _lets(device.host_mode, 0, need):
         return PodVerdict(USERNS, YES, f"host_mode = 0o{device.host_mode:o}: atedevd keeps {node.host_path} so, and runc "
-                                    f"binds the host node (now {_octal(node.mode)}){note}")
+                                    f"binds the host node (now {_octal(node.mode)})")
     if _lets(node.mode, 0, need):
-        return PodVerdict(USERNS, YES, f"{where}: runc binds the host node, and others may open it{note}")
+        return PodVerdict(USERNS, YES, f"{where}: runc binds the host node, and others may open it")
     return PodVerdict(USERNS, NO, f"{where}: runc binds the host node, and the kernel judges its own mode for a uid "
-                               f"that is nobody on the host (the spec's and the runtime's owner do not apply){note}",
+                               f"that is nobody on the host (the spec's and the runtime's owner do not apply)",
                    f"the one fix: a host node others may read and write: host_mode = 0o666 in this [[device]] "
                    f"(atedevd keeps it so; or a udev rule with MODE=\"0666\"). It means every user and process on "
                    f"the host may open {node.container_path} too, not only the pods granted it")

@@ -152,6 +152,9 @@ RULES: Tuple[Rule, ...] = (
          _NEVER_NUM, _cls("misc", "xen/privcmd")),
     Rule("the EFI capsule loader (/dev/efi_capsule_loader)", "queues a firmware update for the host's next boot",
          _NEVER_NUM, _cls("misc", "efi_capsule_loader")),
+    Rule("a userspace I/O device (/dev/uioN)", "maps a PCI device's registers and drives its DMA with no IOMMU between "
+         "it and the host's memory: all of that memory, as with VFIO without an IOMMU",
+         _NEVER_NUM, _cls("uio")),
 )
 
 
@@ -174,12 +177,14 @@ def refusal_text(found: Refusal) -> str:
             f"set allow_host_access = true in this [[device]] table")
 
 
-def look(path: str, sys_root: str = SYS_ROOT) -> Optional[DeviceNode]:
+def look(path: str, sys_root: str = SYS_ROOT, st: Optional[os.stat_result] = None) -> Optional[DeviceNode]:
     """The device node at `path`, symlinks followed; None when it is not a device node.
+    `st`: the stat() already made of `path`, whose numbers are the ones judged (a second
+    look at the path could see another node: udev replaces nodes between two looks).
 
     Raises OSError (FileNotFoundError when nothing is there) as os.stat does.
     """
-    st = os.stat(path)
+    st = os.stat(path) if st is None else st
     if stat.S_ISCHR(st.st_mode):
         kind = "char"
     elif stat.S_ISBLK(st.st_mode):
@@ -188,7 +193,18 @@ def look(path: str, sys_root: str = SYS_ROOT) -> Optional[DeviceNode]:
         return None
     major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
     subsystem, name = _sysfs(sys_root, kind, major, minor)
-    return DeviceNode(path, os.path.realpath(path), kind, major, minor, subsystem, name)
+    try:
+        resolved = os.path.realpath(path) if stat.S_ISLNK(os.lstat(path).st_mode) else path  # (a walk per link: words only)
+    except OSError:
+        resolved = path
+    return DeviceNode(path, resolved, kind, major, minor, subsystem, name)
+
+
+def by_numbers(path: str, major: int, minor: int, sys_root: str = SYS_ROOT) -> DeviceNode:
+    """The character device `major:minor` as the kernel knows it, with no path looked up: how a
+    grant written earlier (a CDI spec of an earlier run) is judged again."""
+    subsystem, name = _sysfs(sys_root, "char", major, minor)
+    return DeviceNode(path, path, "char", major, minor, subsystem, name)
 
 
 def _sysfs(sys_root: str, kind: str, major: int, minor: int) -> Tuple[Optional[str], Optional[str]]:
@@ -242,7 +258,7 @@ def judge(node: DeviceNode) -> Optional[Refusal]:
     return Refusal(node, rule) if rule is not None else None
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=8192)  # (a node's numbers: thousands of them on a node with many adapters)
 def _rule_for(kind: str, major: int, minor: int, subsystem: Optional[str], name: Optional[str]) -> Optional[Rule]:
     """The first rule that refuses such a node: a rule reads nothing but these."""
     for rule in RULES:

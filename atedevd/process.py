@@ -116,7 +116,7 @@ class Process:
     def wake(self, now: float) -> List[ProcessAction]:
         """What is due, then what the process must do."""
         if self.host.cdi is not None:
-            self.host.cdi.retry(now)  # a CDI spec that could not be written
+            self.host.cdi.wake(now)  # a CDI spec that could not be written; the look at the spec directory
         if self.node.wake(now):
             self._out.append(ServingBegan())
         dirs = self.node.directories_to_watch()

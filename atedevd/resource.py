@@ -51,7 +51,7 @@ class Resource:
         self.host = host
         self.claims = claims
         self.table = node_table(device, dev_root, sys_root, claims)  # its nodes as last looked at
-        self.host_mode = HostMode(device, dev_root, sys_root, host.say)  # host_mode: its host nodes' mode kept
+        self.host_mode = HostMode(device, sys_root, host.say)  # host_mode: its host nodes' mode kept
         self._looked_at: Optional[float] = None  # when, unless its directories have news
         self.advertised = False  # once served, kept served (Unhealthy while the node is missing)
         self.stream_limit = STREAMS_PER_RESOURCE
@@ -131,9 +131,10 @@ class Resource:
         """Have its nodes come, gone or changed since the last look? Said, and published."""
         if now < self.look_due:  # (the deadline's own sum: no spin)
             return  # no news in its directories since
+        periodic = self._looked_at is not None  # (the look's own deadline, not news: what no event says is looked for)
         self._looked_at = now
-        changes, changed = self.table.look()
-        self.host_mode.keep()  # host_mode: applied to nodes there now, again after any change
+        changes, changed = self.table.look(periodic)
+        self.host_mode.keep(self.table.kept())  # host_mode: the nodes judged now, again after any change
         for c in changes:
             self.host.say(c.level, c.event, f"{self.name}: {c.message}", resource=self.name, device=c.device or self.device.path)
         if not changed:
@@ -161,7 +162,7 @@ class Resource:
         anew = plugin_options(device) != plugin_options(self.device)
         self.device = device
         self.table = node_table(device, dev_root, sys_root, self.claims)  # the nodes there now, judged afresh
-        self.host_mode = HostMode(device, dev_root, sys_root, self.host.say)
+        self.host_mode = HostMode(device, sys_root, self.host.say)
         self.nodes_may_have_changed()  # a new table: its look is due now
         self.look_at_device(now, publish=False)
         self.snapshot = self._new_snapshot()

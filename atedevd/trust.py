@@ -20,7 +20,7 @@ read; a directory that grants writes only through an ACL is not caught.
 
 import os
 import stat
-from typing import Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 _GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 MAX_LINKS = 40  # the kernel's limit on symlinks followed in one lookup (ELOOP beyond)
@@ -47,10 +47,69 @@ def problems(path: str, st: Optional[os.stat_result] = None) -> List[str]:
     return found
 
 
-def _walk(path: str, trusted: Set[int], reached: List[os.stat_result]) -> Iterator[str]:
+def device_problems(path: str, memo: Optional[Dict[str, List[str]]] = None) -> List[str]:
+    """Why a device node's path could be redirected by someone other than root: every directory
+    and link the kernel walks to reach the node, but not the node itself (its owner and mode are
+    the device's, and nobody replaces it without the right to write its directory). [] when only
+    root can. `memo`: the verdicts of directories already walked in this look (a pattern's two
+    thousand matches share one directory)."""
+    trusted = {0, os.geteuid()}
+    directory, name = os.path.split(path if os.path.isabs(path) else os.path.join(os.getcwd(), path))
+    found = _directory(directory, trusted, memo)
+    if found or not name:
+        return list(found)
+    try:
+        dir_st = os.stat(directory)
+        st = os.lstat(path)
+    except OSError:
+        return []  # nothing there (yet): judged when it appears
+    if dir_st.st_mode & _GROUP_OTHER_WRITE and not (dir_st.st_mode & stat.S_ISVTX and st.st_uid in trusted):
+        return [f"{directory} is writable by {_who(dir_st.st_mode)} ({_describe(dir_st)}), "
+                f"so {path} can be replaced: chmod go-w {directory}"]
+    if not stat.S_ISLNK(st.st_mode):
+        return []
+    out: List[str] = []  # a link: as trusted as its owner, then the way it leads, node excepted
+    for text in _walk(path, trusted, [], final="node", missing_ok=True):
+        if text not in out:
+            out.append(text)
+    return out
+
+
+def directory_problems(path: str, memo: Optional[Dict[str, List[str]]] = None) -> List[str]:
+    """Why someone other than root could add, replace or remove entries in directory `path`, or
+    replace it: every entry on the way judged as `problems` judges them, and the directory
+    writable by neither group nor others, sticky or not (anyone may add a name to a sticky
+    one). What a pattern's directory must be."""
+    return list(_directory(path, {0, os.geteuid()}, memo, whole=True))
+
+
+def _directory(path: str, trusted: Set[int], memo: Optional[Dict[str, List[str]]], whole: bool = False) -> List[str]:
+    key = ("=" if whole else "") + path
+    if memo is not None and key in memo:
+        return memo[key]
+    found: List[str] = []
+    reached: List[os.stat_result] = []
+    for text in _walk(path, trusted, reached, final="dir", missing_ok=True):  # one not there yet: judged when it appears
+        if text not in found:
+            found.append(text)
+    if whole and reached and not found and reached[0].st_mode & _GROUP_OTHER_WRITE:
+        st = reached[0]
+        found.append(f"{path} is writable by {_who(st.st_mode)} ({_describe(st)}), so anyone may add a node or a "
+                     f"link to it: chmod go-w {path}")
+    if memo is not None:
+        memo[key] = found
+    return found
+
+
+def _walk(path: str, trusted: Set[int], reached: List[os.stat_result], final: str = "file",
+          missing_ok: bool = False) -> Iterator[str]:
     """Every entry the kernel looks up on the way to `path`, links followed as it follows them:
     its own owner, and whether its directory lets others replace it. The file reached is
-    appended to `reached`."""
+    appended to `reached`. What is judged of the entry reached itself: `final` "file", its
+    owner and mode (the configuration's); "dir", its owner (its mode is its entries'
+    business); "node", nothing (a device node's owner and mode are the device's). With
+    `missing_ok`, a name not there ends the walk with nothing said (a device's way is judged
+    again when it appears)."""
     here_st: os.stat_result
     try:
         here_st = os.stat("/")
@@ -76,6 +135,10 @@ def _walk(path: str, trusted: Set[int], reached: List[os.stat_result]) -> Iterat
         entry = os.path.join(here, name)
         try:
             st = os.lstat(entry)  # the entry in its directory: a symlink is judged as itself
+        except FileNotFoundError as e:
+            if not missing_ok:
+                yield f"{entry}: cannot stat ({e.strerror})"
+            return
         except OSError as e:
             yield f"{entry}: cannot stat ({e.strerror})"
             return
@@ -83,7 +146,9 @@ def _walk(path: str, trusted: Set[int], reached: List[os.stat_result]) -> Iterat
             yield (f"{here} is writable by {_who(here_st.st_mode)} ({_describe(here_st)}), "
                    f"so {entry} can be replaced: chmod go-w {here}")
         last = not todo
-        text = _entry_problem(entry, st, trusted, final=last and not stat.S_ISLNK(st.st_mode))
+        reached_here = last and not stat.S_ISLNK(st.st_mode)
+        text = None if reached_here and final == "node" else \
+            _entry_problem(entry, st, trusted, final=reached_here and final == "file")
         if text:
             yield text
         if stat.S_ISLNK(st.st_mode):

@@ -13,6 +13,7 @@ import pytest
 
 from atedevd import cdi, cdi_book, cdi_files
 from atedevd.config import ConfigError, load
+from atedevd.devices import NodeGrant
 from rig.harness import wait_until
 from tests.test_patterns import mknod
 
@@ -42,13 +43,15 @@ def test_a_resource_is_a_kind_and_its_units_are_device_names():
     assert cdi.unit_name("vfio-12") == "vfio-12"
     assert cdi.unit_name("ttyUSB0") == "ttyUSB0"
     odd = cdi.unit_name("serial-by-id-usb-FTDI+x@y")  # "+" and "@" are kept in IDs, not in CDI names
-    assert odd.startswith("serial-by-id-usb-FTDI_x_y.") and len(odd.split(".")[-1]) == 10
+    assert odd.startswith("serial-by-id-usb-FTDI-x-y.") and len(odd) > 63 and cdi.unit_of(odd) == "serial-by-id-usb-FTDI+x@y"
     assert cdi.unit_name("a~b") != cdi.unit_name("a@b")
+    # The pair that shared a name under the 10-hex-digit hash: one not a valid name, the other its image.
+    assert cdi.unit_name("ttyUSB-") != cdi.unit_name("ttyUSB.bcef8d8415") == "ttyUSB.bcef8d8415"
     assert cdi.qualified("ate.dev/vfio", "vfio-12") == "ate.dev/vfio=vfio-12"
 
 
 def test_the_spec_version_is_the_lowest_that_allows_its_names():
-    node = cdi.SpecNode("/dev/kvm", 10, 232)
+    node = NodeGrant("/dev/kvm", 10, 232)
     doc = cdi.document(KVM, [cdi.device_entry("kvm", [node], cdi.Settings())])
     assert doc == {"cdiVersion": "0.3.0", "kind": "ate.dev/kvm", "devices": [{"name": "kvm", "containerEdits": {
         "deviceNodes": [{"path": "/dev/kvm", "type": "c", "major": 10, "minor": 232, "fileMode": 0o666,
@@ -61,7 +64,7 @@ def test_the_spec_version_is_the_lowest_that_allows_its_names():
 
 def test_a_name_stays_in_the_spec_and_is_answerable_only_as_written():
     book = cdi_book.SpecBook("ate.dev/serial")
-    a, b = cdi.SpecNode("/dev/ttyUSB0", 188, 0), cdi.SpecNode("/dev/ttyUSB1", 188, 1)
+    a, b = NodeGrant("/dev/ttyUSB0", 188, 0), NodeGrant("/dev/ttyUSB1", 188, 1)
     doc = book.offer({"ttyUSB0": (a,), "ttyUSB1": (b,)}, cdi.Settings())
     assert cdi.device_names(doc) == ("ttyUSB0", "ttyUSB1") and book.answerable == frozenset()
     book.written(doc)
@@ -77,7 +80,7 @@ def test_a_name_stays_in_the_spec_and_is_answerable_only_as_written():
 
 def test_a_handover_adopts_the_other_daemons_devices():
     book = cdi_book.SpecBook(KVM)
-    book.offer({"kvm": (cdi.SpecNode("/dev/kvm", 10, 232),)}, cdi.Settings())
+    book.offer({"kvm": (NodeGrant("/dev/kvm", 10, 232),)}, cdi.Settings())
     theirs = {"cdiVersion": "0.3.0", "kind": KVM, "devices": [
         {"name": "old", "containerEdits": {"deviceNodes": [{"path": "/dev/old", "type": "c", "major": 1, "minor": 2}]}},
         {"name": "kvm", "containerEdits": {"deviceNodes": []}},
@@ -104,7 +107,7 @@ def test_a_spec_is_written_whole_and_never_through_a_planted_link(tmp_path):
     with cdi_files.Locked(spec_dir) as d:
         assert stat.S_IMODE(os.stat(spec_dir).st_mode) == 0o755
         os.symlink(str(target), os.path.join(spec_dir, SPEC))  # a link where the spec goes
-        inode = d.write(SPEC, {"cdiVersion": "0.3.0", "kind": KVM, "devices": []})
+        inode = d.write(SPEC, {"cdiVersion": "0.3.0", "kind": KVM, "devices": []}).st_ino
     assert target.read_text() == "keep"  # replaced the link, did not write through it
     st = os.lstat(os.path.join(spec_dir, SPEC))
     assert stat.S_ISREG(st.st_mode) and st.st_ino == inode and stat.S_IMODE(st.st_mode) == 0o644
@@ -155,10 +158,11 @@ def test_the_keeper_owes_every_name_it_could_answer_and_writes_before_it_answers
     assert keeper.wrote is True and specs.owed() == {"ate.dev/kvm=kvm"}
     assert specs.owed() <= cdi_files.resolvable(str(tmp_path / "cdi"))
     assert keeper.names(["kvm-0", "kvm-1"]) == ("ate.dev/kvm=kvm",) and said == []
-    specs.close(handed_over=True)  # another daemon serves it: left
+    specs.retire(KVM)  # still configured: it stays
     assert cdi_files.resolvable(str(tmp_path / "cdi")) == {"ate.dev/kvm=kvm"}
-    specs.close(handed_over=False)
-    assert cdi_files.resolvable(str(tmp_path / "cdi")) == set()
+    specs.configure(Config(cdi=True, cdi_spec_dir=str(tmp_path / "cdi"), dev_root=str(dev), devices=()))
+    specs.retire(KVM)  # no longer configured, and kubelet let go of it: gone
+    assert cdi_files.resolvable(str(tmp_path / "cdi")) == set() and specs.owed() == set()
 
 
 # --- the configuration ---------------------------------------------------------------------------------
@@ -236,7 +240,7 @@ def test_a_shareable_device_is_answered_with_its_cdi_name_and_its_devicespec(sta
                          "permissions": "rw"}]}}]}
     assert cdi_files.resolvable(spec_dir) == {"ate.dev/kvm=kvm"}
     assert d.stop() == 0
-    assert os.listdir(spec_dir) == []  # nothing else serves it: removed once kubelet let go
+    assert cdi_files.resolvable(spec_dir) == {"ate.dev/kvm=kvm"}  # stays: kubelet's checkpointed answers name it
 
 
 @root_only
@@ -263,8 +267,10 @@ def test_cdi_alone_a_narrowed_mode_on_reload_and_a_kill_leaves_the_spec(start_da
     before = os.stat(os.path.join(spec_dir, SPEC)).st_ino
     d2 = start_daemon(dev_root=str(dev), config=cfg)
     d2.wait_ready()
-    assert os.stat(os.path.join(spec_dir, SPEC)).st_ino != before  # its own, written at its start
+    assert os.stat(os.path.join(spec_dir, SPEC)).st_ino == before  # kept: it is as it should be
     assert cdi_files.resolvable(spec_dir) == {"ate.dev/kvm=kvm"}
+    assert kubelet.wait_connected(KVM), d2.log()
+    assert answer(kubelet, KVM, ["kvm-0"]) == (["ate.dev/kvm=kvm"], [])
 
 
 @root_only
@@ -322,20 +328,27 @@ def test_host_mode_widens_a_pattern_match_but_never_one_the_policy_refuses(tmp_p
     from atedevd.config import Device
     from atedevd.host_mode import HostMode
 
+    from atedevd.resource import node_table
+
     dev = tmp_path / "dev"
     good = mknod(dev, "x0", 188, 0)
     bad = mknod(dev, "x1", 1, 1)  # /dev/mem's numbers under another name
     said = []
-    keeper = HostMode(Device("ate.dev/x", "/dev/x*", allow_host_access=True, host_mode=0o666), str(dev), "/sys",
-                      lambda level, kind, text, **kw: said.append((kind, text)))
-    keeper.keep()
+    device = Device("ate.dev/x", "/dev/x*", allow_host_access=True, host_mode=0o666)
+    table = node_table(device, str(dev), str(tmp_path / "nosys"))
+    table.look()
+    keeper = HostMode(device, "/sys", lambda level, kind, text, **kw: said.append((kind, text)))
+    keeper.keep(table.kept())  # what the table judged: the opted-in /dev/mem is served, never widened
     assert (os.stat(good).st_mode & 0o7777, os.stat(bad).st_mode & 0o7777) == (0o666, 0o600)
-    assert [k for k, _ in said] == ["host-mode", "host-mode-refused"]
-    assert f"{good} was 0600; keeping it at 0666 (host_mode)" in said[0][1]
-    assert "physical memory" in said[1][1]
+    assert [k for k, _ in said] == ["host-mode"] and f"{good} was 0600; keeping it at 0666 (host_mode)" in said[0][1]
     said.clear()
-    keeper.keep()  # the good node is as it should be: nothing done; the refused one is judged again (said once by the host)
-    assert [k for k, _ in said] == ["host-mode-refused"]
+    keeper.keep(table.kept())  # as it should be: nothing done
+    assert said == []
+    os.chmod(good, 0o600)
+    os.unlink(good)
+    replaced = mknod(dev, "x0", 202, 0)  # udev made another node there since the table judged it: an MSR's numbers
+    keeper.keep(table.kept())
+    assert stat.S_IMODE(os.stat(replaced).st_mode) == 0o600 and said == []  # not the node judged: left alone
 
 
 @root_only
@@ -361,8 +374,8 @@ def test_cdi_turned_on_and_off_by_reload_for_an_unchanged_device(start_daemon, k
     moved = tmp_path / "cdi2"
     reload(f'[daemon]\ncdi = true\ncdi_spec_dir = "{moved}"\n')
     assert cdi_files.resolvable(str(moved)) == {"ate.dev/kvm=kvm"} and os.listdir(spec_dir) == []
-    reload(f'[daemon]\ncdi_spec_dir = "{moved}"\n')  # off: no more names; the spec stays until the stop
+    reload(f'[daemon]\ncdi_spec_dir = "{moved}"\n')  # off: no more names; the spec stays
     assert answer(kubelet, KVM, ["kvm-0"]) == ([], [("/dev/kvm", "/dev/kvm", "rw")])
     assert cdi_files.resolvable(str(moved)) == {"ate.dev/kvm=kvm"}
     assert d.stop() == 0
-    assert os.listdir(moved) == []
+    assert cdi_files.resolvable(str(moved)) == {"ate.dev/kvm=kvm"}  # and after the stop

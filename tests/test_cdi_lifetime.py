@@ -1,7 +1,7 @@
 """The CDI spec's lifetime, the daemon as a process: every CDI name atedevd has answered
 Allocate with resolves in the spec directory at every moment (until the next start has written
 its own), through hot-plug, reloads (a narrowed mode, a unit dropped), an upgrade handed to a
-successor, a kill -9 and the start after it; and at the last stop the spec goes.
+successor, a kill -9 and the start after it, and the stop.
 
 A watcher thread sees every change of the spec directory as inotify reports it, takes the
 directory's lock as the daemon's writer does (so it reads between two writes, never in one),
@@ -34,7 +34,6 @@ class SpecWatch:
     def __init__(self, spec_dir: str) -> None:
         self.spec_dir = spec_dir
         self.owed: set = set()  # qualified names answered since the last start wrote its own
-        self.removal_allowed = False
         self._replaced = None  # the killed daemon's spec file, until the next start replaces it
         self.violations: list = []
         self.checks = 0
@@ -55,11 +54,6 @@ class SpecWatch:
         file is no longer `inode`), what the killed one answered is no longer owed."""
         with self._lock:
             self._replaced = inode
-
-    def last_stop(self) -> None:
-        """Nothing serves the spec after this stop: its removal is owed, not its names."""
-        with self._lock:
-            self.owed, self.removal_allowed = set(), True
 
     def check(self, why: str) -> None:
         fd = os.open(self.spec_dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -88,7 +82,7 @@ class SpecWatch:
             for ev in self._watcher.read():
                 if ev.name == FILE and ev.is_(ic.IN_DELETE | ic.IN_MOVED_FROM):
                     with self._lock:
-                        if self.owed and not self.removal_allowed:
+                        if self.owed:
                             self.violations.append(f"{FILE} removed while {sorted(self.owed)} were owed")
             self.check("a change in the directory")
 
@@ -169,9 +163,8 @@ def test_every_name_answered_resolves_through_hot_plug_reloads_an_upgrade_and_a_
         watch.answered(answer(kubelet, ["ttyUSB2", "ttyUSB3", "ttyUSB4"]))
         assert cdi_files.resolvable(str(spec_dir)) == {f"{SERIAL}={u}" for u in ("ttyUSB2", "ttyUSB3", "ttyUSB4")}
 
-        watch.last_stop()  # nothing else serves it
-        assert d2.stop() == 0
-        assert not os.path.exists(spec_dir / FILE)
+        assert d2.stop() == 0  # the spec stays, every name resolvable: kubelet replays checkpointed answers
+        assert cdi_files.resolvable(str(spec_dir)) == {f"{SERIAL}={u}" for u in ("ttyUSB2", "ttyUSB3", "ttyUSB4")}
         assert wait_until(lambda: watch.checks >= 10, 2)
     finally:
         watch.close()

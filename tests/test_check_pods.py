@@ -59,9 +59,9 @@ def write(path, text):
 def test_the_runtimes_own_settings_decide_the_cdi_and_non_root_rows(node, tmp_path):
     root = tmp_path / "etc-root"
     write(root / "etc/containerd/config.toml", 'version = 2\n[plugins."io.containerd.grpc.v1.cri"]\nenable_cdi = false\n')
-    found = runtimes.read(str(root))
+    found = runtimes.read(str(root), containerd_version="1.7.24")
     assert found == [runtimes.Runtime("containerd", f"{root}/etc/containerd/config.toml", False,
-                                      runtimes.DEFAULT_SPEC_DIRS, False, None)]
+                                      runtimes.DEFAULT_SPEC_DIRS, False, "runc", "1.7.24", False)]
     cfg = node.cfg(cdi=True)
     code, doc = as_json(cfg, found)
     cdi = pods(doc)["non-root-cdi"]
@@ -69,13 +69,13 @@ def test_the_runtimes_own_settings_decide_the_cdi_and_non_root_rows(node, tmp_pa
     write(root / "etc/containerd/config.toml", 'version = 3\n[plugins."io.containerd.cri.v1.runtime"]\n'
           'device_ownership_from_security_context = true\ncdi_spec_dirs = ["/etc/cdi"]\n')
     write(root / "etc/crio/crio.conf.d/10-crun.conf", '[crio.runtime]\ndefault_runtime = "crun"\n')
-    found = runtimes.read(str(root))
+    found = runtimes.read(str(root), containerd_version="2.2.9")
     assert [(r.name, r.cdi, r.spec_dirs, r.ownership_from_security_context, r.oci_runtime) for r in found] == [
-        ("containerd", True, ("/etc/cdi",), True, None), ("CRI-O", True, runtimes.DEFAULT_SPEC_DIRS, False, "crun")]
+        ("containerd", True, ("/etc/cdi",), True, "runc"), ("CRI-O", True, runtimes.DEFAULT_SPEC_DIRS, False, "crun")]
     kinds = pods(as_json(node.cfg(cdi=True), found)[1])
     assert kinds["non-root-cdi"]["why"] == "containerd reads CDI specs from /etc/cdi, not /var/run/cdi"
     assert kinds["non-root-cdi"]["fix"] == 'cdi_spec_dir = "/etc/cdi" in [daemon]'
-    assert "CRI-O runs crun, which makes the node instead" in kinds["user-namespace"]["why"]
+    assert "; CRI-O: CRI-O runs crun, which makes the node in the user namespace itself" in kinds["user-namespace"]["why"]
     mode = node.cfg(Device("ate.dev/kvm", "/dev/kvm", container_mode=0o660, container_uid=0))
     kinds = pods(as_json(mode._replace(cdi=True), [])[1])
     assert (kinds["non-root-cdi"]["opens"], kinds["non-root-cdi"]["fix"]) == (

@@ -11,6 +11,15 @@ from atedevd import config
 from atedevd.config import Config, ConfigError, Device
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_settle():
+    """These tests read files they wrote a moment before, thousands of them: the wait for a
+    file changed in the last SETTLE_S is held by its own test (tests/test_judgement.py, case 6)."""
+    before, config.SETTLE_S = config.SETTLE_S, 0.0
+    yield
+    config.SETTLE_S = before
+
+
 def write(tmp_path, text, name="config.toml"):
     p = tmp_path / name
     p.write_bytes(text if isinstance(text, bytes) else text.encode())

@@ -16,6 +16,7 @@ import pytest
 from atedevd import claims as claims_mod
 from atedevd import invariants
 from atedevd.config import Device
+from atedevd.devices import UnitSnapshot
 from atedevd.resource import node_table
 from atedevd.watch import DirEvent
 
@@ -123,8 +124,7 @@ def test_a_node_healthy_in_two_resources_is_a_violation_which_claims_prevent(tmp
 
 
 def test_an_id_that_meant_one_path_and_then_another_is_a_violation():
-    from atedevd.devices import Snapshot
-    from atedevd.patterns import Unit
+    from atedevd.devices import Unit, UnitSnapshot
 
     device = Device("a.dev/serial", "/dev/serial/by-id/*")
 
@@ -138,7 +138,7 @@ def test_an_id_that_meant_one_path_and_then_another_is_a_violation():
     class R:
         def __init__(self, path):
             self.device, self.table = device, Table(path)
-            self.snapshot = Snapshot(device, False, 1, units=(Unit("x~1", path, False),))
+            self.snapshot = UnitSnapshot(device, 1, (Unit("x~1", path, False),))
 
     class N:
         sys_root = "/sys"
@@ -151,13 +151,38 @@ def test_an_id_that_meant_one_path_and_then_another_is_a_violation():
     assert check.check(n) == ["a.dev/serial: ID x~1 meant /dev/serial/by-id/a, now /dev/serial/by-id/b"]
 
 
-def test_colliding_ids_are_refused_loudly_and_an_id_keeps_its_path_through_reloads(tmp_path):
+# Two by-id names whose IDs were one under the 40 bits of hash IDs ended in until 2026-12 (found by
+# a search of about a second): a USB adapter's maker chose the name, and so the other adapter's fate.
+COLLIDED_ONCE = ("usb-Silicon_Labs_CP2102N_USB_to_UART_Bridge_Controller_000271a6-if00-port0",
+                 "usb-Silicon_Labs_CP2102N_USB_to_UART_Bridge_Controller_000271c0-if00-port0")
+
+
+def test_names_whose_ids_once_collided_are_two_units_now(tmp_path):
+    import hashlib
+
     from atedevd.patterns import unit_id
 
-    first, second = ("usb-Silicon_Labs_CP2102N_USB_to_UART_Bridge_Controller_000271a6-if00-port0",
-                     "usb-Silicon_Labs_CP2102N_USB_to_UART_Bridge_Controller_000271c0-if00-port0")
-    uid = unit_id(f"/dev/serial/by-id/{first}")
-    assert uid == unit_id(f"/dev/serial/by-id/{second}")
+    first, second = (f"/dev/serial/by-id/{n}" for n in COLLIDED_ONCE)
+    old = [hashlib.sha256(p.encode()).hexdigest()[:10] for p in (first, second)]
+    assert old[0] == old[1]  # what the 40-bit ID was made of: one hash for both
+    assert unit_id(first) != unit_id(second) and all(len(unit_id(p)) == 63 for p in (first, second))
+    for name, target in zip(COLLIDED_ONCE, ("/dev/null", "/dev/zero")):
+        link(tmp_path, f"serial/by-id/{name}", target)
+    node = Resources([Device("a.dev/serial", "/dev/serial/by-id/*")], str(tmp_path))
+    units = node.resources["a.dev/serial"].snapshot.by_id
+    assert sorted(u.path for u in units.values() if u.healthy) == sorted([first, second])
+
+
+def test_colliding_ids_are_refused_loudly_and_an_id_keeps_its_path_through_reloads(tmp_path, monkeypatch):
+    """No two names share a 128-bit hash that anyone can find; if two IDs were one all the same,
+    the second path is refused loudly, and an ID keeps its path through reloads."""
+    from atedevd import patterns
+
+    first, second = COLLIDED_ONCE
+    real = patterns.unit_id
+    monkeypatch.setattr(patterns, "unit_id", lambda path: real(path.replace(first, second)))  # one ID for two names
+    uid = patterns.unit_id(f"/dev/serial/by-id/{first}")
+    assert uid == patterns.unit_id(f"/dev/serial/by-id/{second}")
     link(tmp_path, f"serial/by-id/{second}", "/dev/zero")
     node = Resources([Device("a.dev/serial", "/dev/serial/by-id/*")], str(tmp_path))
     table = node.resources["a.dev/serial"].table
@@ -166,8 +191,7 @@ def test_colliding_ids_are_refused_loudly_and_an_id_keeps_its_path_through_reloa
     changes, _ = table.look()
     assert [c.message for c in changes if c.level >= 40] == [
         f"/dev/serial/by-id/{first} would be unit {uid}, the ID /dev/serial/by-id/{second} has had since it was first "
-        "seen (an ID of a long or unusual name ends in a hash of the path, and these two share one): not advertised "
-        "while atedevd runs; name one otherwise (a udev rule)"]
+        "seen: not advertised while atedevd runs; name one otherwise (a udev rule)"]
     os.unlink(tmp_path / "serial" / "by-id" / second)
     node.apply([Device("a.dev/serial", "/dev/serial/by-id/*", permissions="r")])  # a changed device: a new table
     assert node.resources["a.dev/serial"].snapshot.by_id == {}  # the ID is still the second path's
@@ -222,9 +246,10 @@ def test_every_invariant_holds_after_each_udev_event(tmp_path, seed):
         node.look()
         problems = check.check(node)
         assert problems == [], f"seed {seed}, step {step}: {problems}"
-        healthy_seen |= {(n, u.id) for n, r in node.resources.items() if r.snapshot.by_id
+        healthy_seen |= {(n, u.id) for n, r in node.resources.items() if isinstance(r.snapshot, UnitSnapshot)
                          for u in r.snapshot.by_id.values() if u.healthy}
-        healthy_seen |= {(n, "*") for n, r in node.resources.items() if r.snapshot.by_id is None and r.snapshot.healthy}
+        healthy_seen |= {(n, "*") for n, r in node.resources.items()
+                         if not isinstance(r.snapshot, UnitSnapshot) and r.snapshot.healthy}
     served = {n for n, _ in healthy_seen}
     assert served == {"a.dev/all", "a.dev/digit", "a.dev/gps", "a.dev/by-id", "a.dev/vfio"}, served  # all exercised
 
@@ -235,10 +260,8 @@ def _mm(rdev):
 
 def _healthy_again(snapshot):
     """The snapshot as if the table had not looked since the nodes changed (a stale publish)."""
-    from atedevd.devices import Snapshot
-
     units = tuple(u._replace(healthy=True) for u in snapshot.by_id.values())
-    return Snapshot(None, True, snapshot.version, units=units)
+    return UnitSnapshot(snapshot.device, snapshot.version, units)
 
 
 # --- the daemon's own Node: the look has a deadline of its own, links' directories are watched ----

@@ -365,15 +365,19 @@ def test_a_usb_adapters_numa_node_is_its_controllers(tmp_path):
 
 
 def test_a_snapshot_counts_its_units_and_the_healthy_ones():
-    shared = devices.Snapshot(Device("a.dev/kvm", "/dev/kvm", 8), True, 1)
-    assert (shared.units, shared.healthy_units, shared.by_id) == (8, 8, None)
-    assert devices.Snapshot(Device("a.dev/kvm", "/dev/kvm", 8), False, 1).healthy_units == 0
-    units = (patterns.Unit("a", "/dev/a", True, (0,)), patterns.Unit("b", "/dev/b", False))
-    snap = devices.Snapshot(Device("a.dev/x", "/dev/*"), False, 2, units=units)
-    assert (snap.units, snap.healthy_units, snap.healthy) == (2, 1, True)  # healthy: at least one unit is
+    kvm = (devices.NodeGrant("/dev/kvm", 10, 232),)
+    shared = devices.SharedSnapshot(Device("a.dev/kvm", "/dev/kvm", 8), True, 1, kvm)
+    assert (shared.units, shared.healthy_units, shared.grants()) == (8, 8, {None: kvm})
+    down = devices.SharedSnapshot(Device("a.dev/kvm", "/dev/kvm", 8), False, 1, kvm)
+    assert (down.healthy_units, down.grants()) == (0, {})  # nothing granted: no numbers carried
+    a = (devices.NodeGrant("/dev/a", 188, 0),)
+    units = (devices.Unit("a", "/dev/a", True, (0,), a), devices.Unit("b", "/dev/b", False))
+    snap = devices.UnitSnapshot(Device("a.dev/x", "/dev/*"), 2, units)
+    assert (snap.units, snap.healthy_units, snap.healthy, snap.grants()) == (2, 1, True, {"a": a})  # at least one is
     again = snap.again()
     assert again is not snap and again.by_id == snap.by_id and again.ids == {"a", "b"}
-    assert not devices.Snapshot(Device("a.dev/x", "/dev/*"), True, 3, units=()).healthy
+    assert type(again) is devices.UnitSnapshot and type(shared.again()) is devices.SharedSnapshot
+    assert not devices.UnitSnapshot(Device("a.dev/x", "/dev/*"), 3, ()).healthy
 
 
 NUMA = {"n0-a": (0,), "n0-b": (0,), "n1-a": (1,), "n1-b": (1,), "n1-c": (1,), "none": ()}

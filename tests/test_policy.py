@@ -57,6 +57,7 @@ REFUSED = [
     ("the crash driver", "char", 10, 60, "misc", "crash"),
     ("Xen privileged commands", "char", 10, 61, "misc", "xen/privcmd"),
     ("the EFI capsule loader", "char", 10, 62, "misc", "efi_capsule_loader"),
+    ("a userspace I/O device", "char", 240, 0, "uio", "uio0"),
 ]
 
 # Nodes a pod may have: what atedevd is for, and the near misses of the rules above.
@@ -99,7 +100,7 @@ def test_fixed_numbers_are_refused_without_sysfs_and_boot_numbers_are_not(what, 
     somewhere, a container's /sys) is still refused; numbers the kernel gives out at
     boot mean nothing without sysfs."""
     found = policy.judge(node(kind, major, minor))
-    fixed = cls not in ("bsg", "nvme", "nvme-generic", "ipmi", "vfio", "vfio-dev", "watchdog", "tpmrm") and name not in (
+    fixed = cls not in ("bsg", "nvme", "nvme-generic", "ipmi", "vfio", "vfio-dev", "watchdog", "tpmrm", "uio") and name not in (
         "crash", "xen/privcmd", "efi_capsule_loader")
     if fixed:
         assert found is not None and found.rule.what.startswith(what), found
@@ -204,6 +205,17 @@ def test_the_docs_list_every_rule_with_its_reason():
     assert "allow_host_access" in man and ".SH \"DEVICE POLICY\"" in man and r"device\-policy.md" in man
 
 
+def test_the_docs_name_every_class_the_policy_was_asked_about():
+    """Refused or allowed, each class these tests judge is in docs/device-policy.md, with its reason."""
+    with open(os.path.join(REPO, "docs", "device-policy.md")) as f:
+        doc = f.read()
+    tables = doc[doc.index("## Refused nodes"):doc.index("## Opting in")]
+    cells = {c.strip() for row in tables.splitlines() if row.startswith("|")
+             for part in row.split("|")[2].split(";") for c in part.split(",")}
+    classes = {c[4] for c in REFUSED + ALLOWED if c[4] != "block"}
+    assert classes - cells == set(), classes - cells
+
+
 def test_this_hosts_sysfs_names_dev_null_as_the_rules_expect():
     """The classes and kernel names the rules match are the kernel's own: read from this host."""
     found = policy.look("/dev/null")
@@ -250,11 +262,12 @@ def test_presence_follows_symlinks_as_the_runtime_does(tmp_path):
     os.symlink("dri/card0", dev / "gpu")  # relative, like udev's by-path links
     os.symlink("dri", dev / "gpus")
     os.symlink("nothing", dev / "gone")
-    look = lambda name: devices.presence(Device("a.dev/x", f"/dev/{name}"), str(dev))  # noqa: E731
+    look = lambda name: devices.judge_path(Device("a.dev/x", f"/dev/{name}"), str(dev))  # noqa: E731
     gpu = look("gpu")
-    assert gpu.state == devices.PRESENT and (gpu.node.resolved, gpu.node.numbers) == ("/dev/null", "1:3")
-    assert look("gpus").state == "a directory, not a character device"
-    assert look("gone").state == devices.MISSING
+    assert gpu.state is devices.NodeState.PRESENT and (gpu.node.resolved, gpu.node.numbers) == ("/dev/null", "1:3")
+    gpus = look("gpus")
+    assert (gpus.state, gpus.why) == (devices.NodeState.NOT_A_NODE, "a directory, not a character device")
+    assert look("gone").state is devices.NodeState.MISSING
 
 
 def test_node_watch_keeps_the_first_node_across_a_reload_that_changed_nothing(tmp_path):
@@ -264,12 +277,12 @@ def test_node_watch_keeps_the_first_node_across_a_reload_that_changed_nothing(tm
     dev = tmp_path / "dev"
     dev.mkdir()
     os.symlink("/dev/null", dev / "kvm")
-    kvm, watch = Device("ate.dev/kvm", "/dev/kvm"), devices.NodeWatch()
-    assert watch.look(kvm, str(dev), advertised=False).present
-    assert watch.look(kvm, str(dev), advertised=True) is None  # nothing changed: nothing to say
+    watch = devices.NodeWatch(Device("ate.dev/kvm", "/dev/kvm"), str(dev), "/sys")
+    assert watch.look(advertised=False).present
+    assert watch.look(advertised=True) is None  # nothing changed: nothing to say
     watch.forget()  # a reload
-    assert watch.look(kvm, str(dev), advertised=True) is None
+    assert watch.look(advertised=True) is None
     os.symlink("/dev/zero", dev / "kvm.new")
     os.rename(dev / "kvm.new", dev / "kvm")
-    change = watch.look(kvm, str(dev), advertised=True)
+    change = watch.look(advertised=True)
     assert not change.present and change.event == "device-changed" and "not the 1:3 first served" in change.message

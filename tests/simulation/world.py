@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional
 
 import inotify.constants as ic
 
-from atedevd import cdi_files, cdi_keeper, metrics
+from atedevd import cdi, cdi_files, cdi_keeper, metrics, policy
 from atedevd.config import Config, Device
 from atedevd.handoff import BecomeMain, Exit, MainPid, Message, Send, StopSuccessor, UpgradePhase
 from atedevd.invariants import Invariants
@@ -57,6 +57,23 @@ def dev_root() -> str:
         if not os.path.islink(os.path.join(_dev_root, name)):
             os.symlink(target, os.path.join(_dev_root, name))
     return _dev_root
+
+
+_cdi_base: Optional[str] = None
+_cdi_pid: Optional[int] = None
+
+
+def cdi_dir() -> str:
+    """An empty CDI spec directory for a world, of the same name for every world of this process
+    (they run one after another; a replay says the same words)."""
+    global _cdi_base, _cdi_pid
+    if _cdi_pid != os.getpid():
+        _cdi_base, _cdi_pid = tempfile.mkdtemp(prefix="atedevd-sim-cdi-", dir=_SCRATCH), os.getpid()
+        multiprocessing.util.Finalize(None, shutil.rmtree, args=(_cdi_base, True), exitpriority=0)
+    path = os.path.join(_cdi_base, "cdi")
+    shutil.rmtree(path, ignore_errors=True)
+    os.mkdir(path, 0o755)
+    return path
 
 
 def unplug(n: int) -> None:
@@ -102,12 +119,14 @@ class World:
         # daemon could have answered Allocate with resolves there after every event, and a
         # killed daemon's until the next start has written its own.
         self.cdi = cdi  # `[daemon] cdi` for every daemon of the round (off: the default configuration)
-        self.cdi_dir = tempfile.mkdtemp(prefix="atedevd-sim-cdi-", dir=_SCRATCH)
+        self.cdi_dir = cdi_dir()
         self.cdi_problems: List[str] = []
         self.invariant_problems: List[str] = []
-        self._killed_owed: set = set()  # a killed daemon's names, until a start has written its specs
+        self._gone_owed: set = set()  # a stopped or killed daemon's names, until the next start
         self._cdi_seen: Optional[tuple] = None
-        self._resolvable: set = set()
+        self._resolved: Dict[str, list] = {}
+        self._parsed: Dict[str, tuple] = {}
+        self._judged: Dict[str, set] = {}  # qualified CDI name -> the numbers ever granted its unit, by any daemon
 
     def moves_taken(self) -> set:
         """Every (from, to) move any registration machine of any process made."""
@@ -150,24 +169,58 @@ class World:
         self.now = max(self.now, t)
 
     def check_cdi(self) -> None:
-        """Every name a live daemon (or a killed one, until its successor wrote) owes resolves:
-        checked after every event a daemon takes (nothing else writes the specs or grows what
-        is owed), and after a kill."""
-        if self._killed_owed and any(d.parent is None and d.host.cdi.keepers and
-                                     all(k.wrote for k in d.host.cdi.keepers.values()) for d in self.processes):
-            self._killed_owed = set()
-        # Looked at again only when a daemon wrote or removed a spec (a keeper's last write is
-        # another), one exited, or what is owed may have grown (a name once answerable stays so).
-        seen = (len(self._killed_owed), tuple((d.n, tuple((k._written, len(k.book.ever_answerable))  # (a test reads them)
-                                                         for k in d.host.cdi.keepers.values())) for d in self.processes))
-        if seen == self._cdi_seen:
+        """CDI specs, after every event a daemon takes (nothing else writes them, grows what is
+        owed or changes what is granted), and after an exit:
+        - every name a live daemon keeps and could have answered resolves, and a stopped or
+          killed daemon's until the next start (the specs outlive the daemon);
+        - every name that resolves makes, as its unit's node, numbers the policy allows and that
+          some daemon's table granted that very unit, and no node granted under another name now."""
+        written = (len(self._gone_owed), tuple((d.n, tuple((k._written, len(k.book.ever_answerable)) for k in
+                                                           d.host.cdi.keepers.values())) for d in self.processes))
+        seen = (written, tuple((d.n, tuple(r.snapshot.version for r in d.node.all_resources())) for d in self.processes))
+        if seen == self._cdi_seen:  # (a test reads the keepers' fields)
             return
+        if self._cdi_seen is None or written != self._cdi_seen[0]:
+            self._resolved = cdi_files.resolved(self.cdi_dir, self._parsed)  # (the disk changes only with a write, or an exit)
         self._cdi_seen = seen
-        self._resolvable = cdi_files.resolvable(self.cdi_dir)
-        owed = set(self._killed_owed).union(*(d.host.cdi.owed() for d in self.processes))
-        missing = owed - self._resolvable
-        if missing and len(self.cdi_problems) < 3:
-            self.cdi_problems.append(f"CDI names answerable but not resolvable at {self.now:.4f}: {sorted(missing)}")
+        granted: Dict[str, str] = {}  # numbers "M:m" -> the qualified name of a unit granted them now (a pattern's)
+        names_now = set()
+        for d in self.processes:
+            for r in d.node.all_resources():
+                for key, nodes in r.snapshot.grants().items():
+                    name = cdi.qualified(r.name, cdi.shared_name(r.name) if key is None else cdi.unit_name(key))
+                    numbers = f"{nodes[0].major}:{nodes[0].minor}"
+                    self._judged.setdefault(name, set()).add(numbers)
+                    names_now.add(name)
+                    if r.device.pattern:
+                        granted[numbers] = name
+        resolved = self._resolved
+        owed = set(self._gone_owed).union(*(d.host.cdi.owed() for d in self.processes))
+        problems = [f"CDI names answerable but not resolvable at {self.now:.4f}: {sorted(owed - set(resolved))}"] \
+            if owed - set(resolved) else []
+        for name, nodes in sorted(resolved.items()):
+            if not nodes:
+                continue
+            numbers = f"{nodes[0].get('major')}:{nodes[0].get('minor')}"
+            found = policy.judge(policy.by_numbers(nodes[0].get("path", "?"), nodes[0]["major"], nodes[0]["minor"]))
+            if found is not None:
+                problems.append(f"at {self.now:.4f}: {name} makes {numbers}, refused by the policy: {found}")
+            if numbers not in self._judged.get(name, ()):
+                problems.append(f"at {self.now:.4f}: {name} makes {numbers}, never granted its unit "
+                                f"(granted: {sorted(self._judged.get(name, ()))})")
+            holder = granted.get(numbers)
+            if holder is not None and holder != name and name not in names_now:
+                problems.append(f"at {self.now:.4f}: {name} makes {numbers}, the node {holder} is granted now")
+        for p in problems:
+            if len(self.cdi_problems) < 3:
+                self.cdi_problems.append(p)
+
+    def daemon_gone(self, d: "AtedevdProcess") -> None:
+        """A daemon stopped or was killed: its names stay owed until the next start (not after an
+        upgrade's hand-over: its successor keeps them)."""
+        if not d.handed_over:
+            self._gone_owed |= d.host.cdi.owed()
+        self.check_cdi()
 
     def close(self) -> None:
         shutil.rmtree(self.cdi_dir, ignore_errors=True)
@@ -183,6 +236,9 @@ class World:
         if parent is None:
             self.daemon = d
         d.start()
+        if parent is None:
+            self._gone_owed = set()  # what it kept of the last run's specs is its own to owe now
+            self.check_cdi()
         return d
 
     def restart_daemon(self, how: str) -> None:
@@ -335,7 +391,6 @@ class AtedevdProcess:
         world.ever.append(self)
         self.host = SimHost(world, self)
         self.host.cdi = cdi_keeper.Specs(self.host.say, sharing=parent is not None)
-        self.host.cdi.configure(Config(cdi=world.cdi, cdi_spec_dir=world.cdi_dir, dev_root=world.dev_root))
         node = Node(PLUGIN_DIR, world.dev_root, "/sys", self.host, f"d{n}", lambda path, error: False)
         if parent is not None:
             node.held = True
@@ -368,8 +423,13 @@ class AtedevdProcess:
 
     # --- the process: what Daemon.run, its signals and its loop do ---------------------------------
 
+    def config(self, count: int) -> Config:
+        return Config(cdi=self.w.cdi, cdi_spec_dir=self.w.cdi_dir, dev_root=self.w.dev_root,
+                      devices=tuple(self.devices(count)))
+
     def start(self) -> None:
         self.node.kubelet.refresh(created=False, events_lost=True)
+        self.host.cdi.configure(self.config(self.count))  # (the daemon's _apply: before a resource's first snapshot)
         self.node.apply(self.devices(self.count), self.w.dev_root, "/sys", self.w.now)
         self.node.reconcile(self.w.now)
         self.process.started(self.w.now)
@@ -388,6 +448,7 @@ class AtedevdProcess:
             return
         self.count, self.pattern = count, pattern
         self.node.accept_nodes()
+        self.host.cdi.configure(self.config(count))
         self.node.apply(self.devices(count), self.w.dev_root, "/sys", self.w.now)
         self.node.reconcile(self.w.now)
         self.woke()
@@ -419,10 +480,9 @@ class AtedevdProcess:
     def die(self) -> None:
         """kill -9: connections drop, socket files stay behind (and CDI specs: valid, for the next start)."""
         self.alive = False
-        self.w._killed_owed |= self.host.cdi.owed()
-        self.w.check_cdi()
         if self in self.w.processes:
             self.w.processes.remove(self)
+        self.w.daemon_gone(self)
         for other in (self.parent, self.child):
             if other is not None and other.alive:
                 other.tell(None)  # its end of the channel closes
@@ -478,10 +538,10 @@ class AtedevdProcess:
         for a in self.process.wake(self.w.now):
             _DO[type(a)](self, a)
         if self.process.stopped:
-            self.node.close(self.w.now)
-            self.host.cdi.close(self.handed_over)
+            self.node.close(self.w.now)  # (its CDI specs stay)
             self.alive = False
             self.w.processes.remove(self)
+            self.w.daemon_gone(self)
             for other in (self.parent, self.child):
                 if other is not None and other.alive:
                     other.tell(None)
