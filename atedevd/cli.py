@@ -11,8 +11,10 @@ import traceback
 from types import SimpleNamespace
 from typing import Dict, List, Optional
 
-from atedevd import config, instance, restarts, upgrade, version
+from atedevd import config, version
+from atedevd.daemon import instance, restarts
 from atedevd.systemd import journal_is_stderr, setup_logging
+from atedevd.upgrade import peers as upgrade
 
 EX_RUNTIME = 1
 
@@ -89,7 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _run_args(argv) or _parser().parse_args(argv)
     if args.command == "check-config":
-        from atedevd import check
+        from atedevd.check import report as check
 
         return check.check_config(args.config or config.DEFAULT_CONFIG_PATH, sys.stdout, required=args.config is not None, err=sys.stderr)
     try:
@@ -100,13 +102,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             logging.getLogger("atedevd").error("configuration error, not starting:\n%s", e)
         else:
             if getattr(args, "json", False):
-                from atedevd import check
+                from atedevd.check import report as check
 
                 sys.stdout.write(check.config_error_json(e))
             print(f"atedevd: configuration error:\n{e}", file=sys.stderr)
         return config.EX_CONFIG
     if args.command == "check":
-        from atedevd import check
+        from atedevd.check import report as check
 
         return check.run(cfg, sys.stdout, as_json=args.json)
     return _run(args, cfg)
@@ -126,7 +128,7 @@ def _run(args, cfg: config.Config) -> int:
         logging.getLogger("atedevd").error("not starting: %s", e)
         return EX_RUNTIME
     setup_logging(cfg.log_level)
-    from atedevd.daemon import Daemon  # imports grpc: only when serving
+    from atedevd.daemon.loop import Daemon  # imports grpc: only when serving
 
     overrides: Dict[str, Optional[str]] = {k: v for k, v in (("device_plugin_dir", args.device_plugin_dir), ("dev_root", args.dev_root),
                                    ("sys_root", args.sys_root), ("log_level", args.log_level),

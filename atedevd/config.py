@@ -29,7 +29,9 @@ import sys
 import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from atedevd import policy, sockets, trust
+from atedevd import trust
+from atedevd.devices import policy
+from atedevd.kubelet import sockets
 from atedevd.record import Record
 
 if sys.version_info >= (3, 11):
@@ -110,13 +112,13 @@ class Device(Record):
     # operator who means it, warned at every start and by `atedevd check`.
     allow_host_access: bool = False
     companions: Tuple[str, ...] = ()
-    # The node's mode and owner in the container, where it is granted through CDI (atedevd/cdi.py):
+    # The node's mode and owner in the container, where it is granted through CDI (atedevd/cdi/names.py):
     # by default any user in the container opens it (the device cgroup already limits the node to
     # the containers granted it); no owner: the runtime makes it the container's user's.
     container_mode: int = 0o666
     container_uid: Optional[int] = None
     container_gid: Optional[int] = None
-    # Keep the host node at this mode (atedevd/host_mode.py): an operator's opt-in for pods in
+    # Keep the host node at this mode (atedevd/devices/host_mode.py): an operator's opt-in for pods in
     # user namespaces, which open the host's node itself. None: the node's mode is udev's.
     host_mode: Optional[int] = None
 
@@ -156,7 +158,7 @@ class Config(Record):
     log_level: str = "info"
     metrics_dir: Optional[str] = None  # node_exporter's textfile directory; None: the default, "": off
     kubelet_endpoints: str = "per-resource"  # KUBELET_ENDPOINTS: the safe default
-    # Grant through CDI (atedevd/cdi.py): a spec per resource in cdi_spec_dir, its names in every
+    # Grant through CDI (atedevd/cdi/names.py): a spec per resource in cdi_spec_dir, its names in every
     # Allocate answer; device_specs: the answer carries the DeviceSpec too (runtimes without CDI).
     cdi: bool = False
     cdi_spec_dir: str = "/var/run/cdi"  # the runtimes' dynamic spec directory
@@ -680,14 +682,14 @@ _DEVICE_CHECKS = {"resource": _check_resource, "path": _check_path,
 
 
 def _check_cdi(cfg: Config, report: _Report) -> None:
-    """CDI grants (atedevd/cdi.py): each resource names a CDI kind of its own, and an answer
+    """CDI grants (atedevd/cdi/names.py): each resource names a CDI kind of its own, and an answer
     grants the node one way or the other."""
     if not cfg.device_specs and not cfg.cdi:
         report.add("[daemon] device_specs = false needs cdi = true: an Allocate answer must grant the node "
                    "one way or the other")
     if not cfg.cdi:
         return
-    from atedevd import cdi  # only where CDI grants are on
+    from atedevd.cdi import names as cdi  # only where CDI grants are on
 
     kinds: Dict[str, str] = {}
     for i, dev in enumerate(cfg.devices):
@@ -713,7 +715,7 @@ def _check_policy(cfg: Config, lines: Optional[_Lines], report: _Report) -> None
     unless its table opts in. A node absent now cannot be judged: the daemon judges it
     when it appears. What a pattern matches is judged node by node and a refused match
     is left out (the daemon and `check` name it), not an error; so is a node two
-    resources reach (atedevd/claims.py: served by neither, at start as later)."""
+    resources reach (atedevd/devices/claims.py: served by neither, at start as later)."""
     for i, dev in enumerate(cfg.devices):
         keys = ([] if dev.pattern else [("path", dev.path)]) + [("companions", c) for c in dev.companions]
         _check_way(cfg, i, dev, lines, report)

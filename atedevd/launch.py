@@ -10,7 +10,8 @@ import os
 import sys
 from typing import List, Optional
 
-from atedevd import _build, restarts
+from atedevd import _build
+from atedevd.daemon import restarts
 
 EX_RUNTIME = 1
 # module -> what provides it, per flavour of package

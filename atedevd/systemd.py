@@ -38,7 +38,7 @@ class Notifier:
         if self._sd is not None and not self._quiet:
             self._sd.notify(message)
 
-    def hand_over(self, pid: int) -> None:
+    def main_pid(self, pid: int) -> None:
         """`pid` is systemd's main process from now on (our successor): its READY, STATUS and
         watchdog are the unit's; we say nothing more."""
         self.send(f"MAINPID={pid}")

@@ -7,7 +7,7 @@ import signal
 import time
 from typing import List, Optional, Tuple
 
-from atedevd.plugin import PRESTARTED_WORKERS as WORKERS
+from atedevd.kubelet.plugin import PRESTARTED_WORKERS as WORKERS
 from bench.rig import BusyCore, Rig, TimedKubelet, cpu_seconds, load, percentile, snapshot
 from rig.harness import OUR_SOCKETS, RESOURCE, current_socket, our_files
 from rig.kubelet_standin import MODES

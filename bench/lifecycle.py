@@ -22,7 +22,7 @@ to pod-resources. The events:
                       when an Allocate through kubelet answers the new ones
   reload-upgrade      the package upgraded (a file of the daemon's copy of it replaced by a
                       rename, as dpkg does), then SIGHUP: the daemon hands over to a warm
-                      successor (atedevd/handoff.py); done when the successor is registered
+                      successor (atedevd/upgrade/machines.py); done when the successor is registered
   socket-deleted      our current socket unlinked by someone else
   stream-ended        kubelet ends our ListAndWatch stream
 
@@ -498,7 +498,7 @@ def standin_let_go(n: int) -> List[Row]:
     import shutil
     import tempfile
 
-    from atedevd.sockets import held_connections
+    from atedevd.kubelet.sockets import held_connections
     from rig.kubelet_standin import Kubelet
     from rig.tiny_plugin import Plugin, register
 

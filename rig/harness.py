@@ -7,8 +7,8 @@ import glob
 import os
 import re
 import signal
-import stat
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -246,9 +246,9 @@ def crash_when_file_appears(message: str, name: str = "crash-now") -> str:
     daemon has no test hook), while the gRPC server holds kubelet's stream."""
     return f"""
 import sys
-import atedevd.node
+import atedevd.glue.plugin_dir
 
-real = atedevd.node.Node.on_directory_events
+real = atedevd.glue.plugin_dir.PluginDir.on_directory_events
 
 def on_directory_events(self, events, now):
     events = list(events)
@@ -256,7 +256,7 @@ def on_directory_events(self, events, now):
         raise RuntimeError({message!r})
     return real(self, events, now)
 
-atedevd.node.Node.on_directory_events = on_directory_events
+atedevd.glue.plugin_dir.PluginDir.on_directory_events = on_directory_events
 from atedevd import cli
 sys.exit(cli.main(sys.argv[1:]))
 """

@@ -20,19 +20,10 @@ import sys
 import time
 from typing import List
 
-from atedevd import restarts
+from atedevd.daemon import restarts
 from bench.rig import percentile
-from rig.container import (
-    FULL,
-    RESOURCE,
-    Container,
-    cached_rootfs,
-    fake_kvm,
-    install_project,
-    standin_state,
-    start_standin,
-    wait_until,
-)
+from rig.container import (FULL, RESOURCE, Container, cached_rootfs, fake_kvm, install_project, standin_state,
+                           start_standin, wait_until)
 
 DROPIN = "/etc/systemd/system/atedevd.service.d"
 KILL = "import os, sys, time; pid = int(sys.argv[1]); t = time.monotonic(); os.kill(pid, 9); print(repr(t))"

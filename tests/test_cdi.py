@@ -1,4 +1,4 @@
-"""CDI grants (atedevd/cdi.py, cdi_book.py, cdi_files.py, cdi_keeper.py): the names, the spec
+"""CDI grants (atedevd/cdi/names.py, cdi_book.py, cdi_files.py, cdi_keeper.py): the names, the spec
 documents a CDI library of podman 4.3 / containerd 1.7 accepts, the atomic and link-proof writes,
 and the daemon as a process answering Allocate with CDI names whose spec is on disk (a shareable
 device, a pattern with its companions, a reload that narrows the mode, an unplugged unit, the
@@ -11,9 +11,12 @@ import stat
 
 import pytest
 
-from atedevd import cdi, cdi_book, cdi_files
+from atedevd.cdi import book as cdi_book
+from atedevd.cdi import files as cdi_files
+from atedevd.cdi import names as cdi
 from atedevd.config import ConfigError, load
-from atedevd.devices import NodeGrant
+from atedevd.devices import shared
+from atedevd.devices.snapshot import NodeGrant
 from rig.harness import wait_until
 from tests.test_patterns import mknod
 
@@ -142,7 +145,7 @@ def test_a_name_two_files_define_resolves_to_nothing(tmp_path):
 @root_only
 def test_the_keeper_owes_every_name_it_could_answer_and_writes_before_it_answers(tmp_path):
     """What the simulation checks after every event: Specs.owed() resolves in the spec directory."""
-    from atedevd import cdi_keeper, devices
+    from atedevd.cdi import keeper as cdi_keeper
     from atedevd.config import Config, Device
 
     dev = tmp_path / "dev"
@@ -152,7 +155,7 @@ def test_the_keeper_owes_every_name_it_could_answer_and_writes_before_it_answers
     specs.configure(Config(cdi=True, cdi_spec_dir=str(tmp_path / "cdi"), dev_root=str(dev)))
     keeper = specs.keeper(KVM)
     assert specs.keeper(KVM) is keeper and keeper.wrote is False and specs.owed() == set()
-    table = devices.SharedTable(Device(KVM, "/dev/kvm"), str(dev))
+    table = shared.SharedTable(Device(KVM, "/dev/kvm"), str(dev))
     table.look()
     keeper.publish(table.snapshot(1), Device(KVM, "/dev/kvm"))
     assert keeper.wrote is True and specs.owed() == {"ate.dev/kvm=kvm"}
@@ -326,9 +329,8 @@ def test_a_spec_directory_it_cannot_write_leaves_answers_to_the_devicespec(start
 @root_only
 def test_host_mode_widens_a_pattern_match_but_never_one_the_policy_refuses(tmp_path):
     from atedevd.config import Device
-    from atedevd.host_mode import HostMode
-
-    from atedevd.resource import node_table
+    from atedevd.devices.host_mode import HostMode
+    from atedevd.glue.resource import node_table
 
     dev = tmp_path / "dev"
     good = mknod(dev, "x0", 188, 0)

@@ -18,8 +18,8 @@ import threading
 import inotify.constants as ic
 import pytest
 
-from atedevd import cdi_files
-from atedevd.watch import Watcher
+from atedevd.cdi import files as cdi_files
+from atedevd.daemon.watch import Watcher
 from rig.harness import wait_until
 from tests.test_patterns import mknod
 from tests.test_upgrade import hup, installed, launcher, upgrade  # noqa: F401 - `installed` is a fixture

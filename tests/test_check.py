@@ -11,7 +11,8 @@ import tempfile
 
 import pytest
 
-from atedevd import check, config
+from atedevd import config
+from atedevd.check import report as check
 from atedevd.config import Config, Device
 
 
@@ -432,8 +433,9 @@ class PodResources:
     """A pod-resources server that lists `counts[resource]` allocatable IDs."""
 
     def __init__(self, node, counts):
-        import grpc
         from concurrent import futures
+
+        import grpc
 
         from atedevd.api import pod_resources_handler
 

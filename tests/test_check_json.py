@@ -5,7 +5,7 @@ import io
 import json
 import os
 
-from atedevd import check
+from atedevd.check import report as check
 from atedevd.config import Device
 from tests.test_check import atedevd, config_file, node, run  # noqa: F401 - `node` is a fixture
 

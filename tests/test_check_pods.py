@@ -1,6 +1,6 @@
 """`atedevd check` names, per device, which pod kinds can open it and the fix for those that
-cannot (atedevd/pod_kinds.py): from the host node's mode and owner, the container path, the
-CDI settings and the container runtime's own configuration (atedevd/runtimes.py)."""
+cannot (atedevd/check/pod_kinds.py): from the host node's mode and owner, the container path, the
+CDI settings and the container runtime's own configuration (atedevd/check/runtimes.py)."""
 
 import json
 import os
@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from atedevd import check, runtimes
+from atedevd.check import report as check
+from atedevd.check import runtimes
 from atedevd.config import Device
 from rig.harness import REPO
 from tests.test_check import node, run  # noqa: F401 - `node` is a fixture
@@ -104,7 +105,7 @@ def as_json(cfg, found, unit=None):
 
 
 def test_host_mode_is_the_user_namespace_verdict_where_atedevd_keeps_it():
-    from atedevd import pod_kinds
+    from atedevd.check import pod_kinds
 
     node = pod_kinds.HostNode("/dev/kvm", "/dev/kvm", 0o660, 0, 107, 2792, 2792, "root:kvm")
     [userns] = [v for v in pod_kinds.judge(node, Device("ate.dev/kvm", "/dev/kvm"), False, "/var/run/cdi", [])

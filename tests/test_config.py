@@ -585,7 +585,7 @@ def test_at_most_32_devices(tmp_path):
 def test_resources_that_shared_a_socket_name_get_their_own(tmp_path):
     """`a.dev/b-c` and `a.dev-b/c` were both `a.dev-b-c.<run>-<n>.sock`: one resource's
     Allocate could be answered by the other's server."""
-    from atedevd import sockets
+    from atedevd.kubelet import sockets
 
     cfg = config.load(write(tmp_path, device(resource='"a.dev/b-c"', path='"/dev/x"')
                             + device(resource='"a.dev-b/c"', path='"/dev/y"')))
@@ -594,7 +594,7 @@ def test_resources_that_shared_a_socket_name_get_their_own(tmp_path):
 
 
 def test_a_configuration_whose_resources_would_share_a_socket_is_refused_naming_both(tmp_path, monkeypatch):
-    from atedevd import sockets
+    from atedevd.kubelet import sockets
 
     monkeypatch.setattr(sockets, "prefix", lambda r: r.replace("/", "-"))  # the old mapping, which collided
     assert errors(tmp_path, device(resource='"a.dev/b-c"', path='"/dev/x"')
@@ -603,7 +603,7 @@ def test_a_configuration_whose_resources_would_share_a_socket_is_refused_naming_
 
 
 def test_long_resource_names_are_shortened_and_stay_apart():
-    from atedevd import sockets
+    from atedevd.kubelet import sockets
 
     a, b = "a" * 244 + "/kvm", "a" * 244 + "/kvn"
     assert sockets.prefix(a) != sockets.prefix(b)

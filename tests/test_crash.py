@@ -25,11 +25,11 @@ IN_THE_LOOP = crash_when_file_appears("injected by the test\nsecond line of the 
 # interpreter shutdown would wait for it for ever.
 BEFORE_THE_LOOP = """
 import os, sys, time
-import atedevd.daemon
+import atedevd.daemon.loop
 
 plugin_dir = sys.argv[sys.argv.index("--device-plugin-dir") + 1]
 
-first_apply = atedevd.daemon.Daemon._apply
+first_apply = atedevd.daemon.loop.Daemon._apply
 
 def apply(self, cfg, first=False):
     first_apply(self, cfg, first)
@@ -41,7 +41,7 @@ def apply(self, cfg, first=False):
         time.sleep(0.01)
     raise RuntimeError("injected by the test\\nsecond line of the message")
 
-atedevd.daemon.Daemon._apply = apply
+atedevd.daemon.loop.Daemon._apply = apply
 from atedevd import cli
 sys.exit(cli.main(sys.argv[1:]))
 """

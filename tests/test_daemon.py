@@ -16,7 +16,7 @@ import hpack
 import pytest
 
 from atedevd.api import DevicePluginStub, pb
-from atedevd.plugin import STREAMS_PER_RESOURCE
+from atedevd.kubelet.plugin import STREAMS_PER_RESOURCE
 from rig.harness import OUR_SOCKETS, RESOURCE, current_socket, inotify_watched, our_files, plugin_sockets, wait_until
 from rig.kubelet_standin import Kubelet
 
@@ -441,7 +441,7 @@ def test_failing_after_a_registration_is_a_warning_with_the_reason_in_status(dae
 def test_worker_threads_start_with_the_first_registers_and_re_registrations_add_none():
     """No worker thread before a Register; each first Register starts what kubelet's calls after
     it need; re-registrations (kubelet restarts, handovers: any number) start none."""
-    from atedevd.plugin import PRESTARTED_WORKERS, STREAMS_PER_RESOURCE, UNARY_WORKERS, Workers
+    from atedevd.kubelet.plugin import PRESTARTED_WORKERS, STREAMS_PER_RESOURCE, UNARY_WORKERS, Workers
 
     w = Workers(2, start_now=0)
     try:

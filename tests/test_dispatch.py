@@ -3,8 +3,10 @@ that some table forgets fails here, not in a node at run time."""
 
 import typing
 
-from atedevd import daemon, handoff, performer, process
+from atedevd.daemon import loop as daemon
+from atedevd.glue import performer, process
 from atedevd.registration import machine, messages
+from atedevd.upgrade import machines as handoff
 from tests.simulation import world
 
 

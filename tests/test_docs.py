@@ -83,8 +83,8 @@ def test_man_page_unit_path_matches_the_deb_and_the_rpm():
 
 def test_every_metric_is_documented():
     """Each family the daemon writes is in docs/metrics.md (with its type) and in atedevd(8)."""
-    from atedevd import metrics
-    from atedevd.registration import State, Why
+    from atedevd.glue import metrics
+    from atedevd.registration.messages import State, Why
     from atedevd.registration.report import Report
 
     report = Report(name=RESOURCE, device_path="/dev/kvm", pattern=False, state=State.REGISTERED, changed_at=0.0, advertised=True,
@@ -153,7 +153,7 @@ def test_the_design_document_is_under_its_line_budget():
 
 def test_the_readme_module_table_lists_every_module_of_the_package_and_no_other():
     """The README's "Where things are": a row's first cell names paths; a bare name is in the directory of the
-    path before it (`atedevd/node.py`, `resource.py`), a name ending in / a package or directory."""
+    path before it (`atedevd/glue/plugin_dir.py`, `resource.py`), a name ending in / a package or directory."""
     readme = read("README.md")
     rows = section(readme, "## Where things are")
     listed = set()
@@ -296,7 +296,7 @@ def test_the_performer_never_calls_the_machine():
     import ast
     import inspect
 
-    from atedevd import performer
+    from atedevd.glue import performer
 
     source = inspect.getsource(performer)
     tree = ast.parse(source)
@@ -316,8 +316,8 @@ def test_what_grpc_threads_report_reaches_the_loop_through_the_inbox():
     import threading
 
     from atedevd.config import Device
-    from atedevd.host import Host
-    from atedevd.plugin import StreamEvent
+    from atedevd.daemon.host import Host
+    from atedevd.kubelet.plugin import StreamEvent
 
     posted, seen = [], []
     host = Host("/nonexistent/device-plugins", None, posted.append)  # type: ignore[arg-type]
@@ -330,15 +330,16 @@ def test_what_grpc_threads_report_reaches_the_loop_through_the_inbox():
 
 
 def test_the_loop_and_the_simulation_run_the_same_glue():
-    from atedevd import daemon, process
+    from atedevd.daemon import loop as daemon
+    from atedevd.glue import process
     from tests.simulation import world
 
     assert daemon.Process is process.Process and world.Process is process.Process
-    assert "self.process.wake(" in read("atedevd/daemon.py") and "self.process.wake(" in read("tests/simulation/world.py")
+    assert "self.process.wake(" in read("atedevd/daemon/loop.py") and "self.process.wake(" in read("tests/simulation/world.py")
 
 
 def test_status_and_metrics_are_said_only_when_what_they_show_changed():
-    from atedevd.process import Process, Status, WriteMetrics
+    from atedevd.glue.process import Process, Status, WriteMetrics
 
     class Node:
         plugin_dir, resources, showing = "/nonexistent", {}, ("registered",)
@@ -405,7 +406,7 @@ def test_every_register_kubelet_takes_names_a_socket_no_register_named_before(mo
 
     monkeypatch.setattr(KubeletModel, "register", noting)
     for scenario in ("kubelet-restart-back-to-back", "our-socket-deleted", "kubelet-ends-our-stream",
-                     "daemon-kill-9-restart", "upgrade-handover", "sighup-resource-removed-and-back"):
+                     "daemon-kill-9-restart", "upgrade", "sighup-resource-removed-and-back"):
         for mode in scenarios.MODES:
             for seed in range(1, 4):
                 named.clear()
@@ -543,6 +544,6 @@ def test_what_the_design_says_the_simulation_runs_and_fakes_are_classes_of_the_d
     how = section(read("docs/design.md"), "## How we know it works")
     how = how[:how.index("| scenario |")]
     named = set(re.findall(r"`([A-Z][A-Za-z]+)`", how))
-    assert {"Process", "Node", "Resource", "Performer", "SimHost", "SimServer", "KubeletModel", "Directory", "World",
+    assert {"Process", "PluginDir", "Resource", "Performer", "SimHost", "SimServer", "KubeletModel", "Directory", "World",
             "Udev", "AtedevdProcess"} <= named
     assert [n for n in sorted(named) if not any(isinstance(c, type) for c in index.get(n, []))] == []

@@ -1,16 +1,16 @@
 """The upgrade's two machines on their own, message by message and timer by timer
-(atedevd/handoff.py): no process, no kubelet. The daemon runs them in tests/test_upgrade.py
+(atedevd/upgrade/machines.py): no process, no kubelet. The daemon runs them in tests/test_upgrade.py
 and the simulation in its upgrade scenarios."""
 
 import logging
 
 import pytest
 
-from atedevd import handoff
-from atedevd.handoff import (BecomeMain, Exit, MainPid, Message, Predecessor, Send, StopSuccessor, Successor,
-                             UpgradePhase)
-from atedevd.process import Process, Ready
-from atedevd.registration.messages import HandOff, RegisterAgain, Release, Say, Stop, TakeBack
+from atedevd.glue.process import Process, Ready
+from atedevd.registration.messages import Yield, RegisterAgain, Release, Say, Stop, TakeBack
+from atedevd.upgrade import machines as handoff
+from atedevd.upgrade.machines import (BecomeMain, Exit, MainPid, Message, Predecessor, Send, StopSuccessor, Successor,
+                                      UpgradePhase)
 
 Phase = UpgradePhase
 
@@ -26,7 +26,7 @@ def errors(actions) -> list:
 def test_per_resource_the_successor_registers_only_once_kubelet_let_go_of_us():
     p = Predecessor(overlap=False, now=0.0)
     p.received(0.5, Message.READY)
-    assert kinds(p) == [HandOff] and p.phase is Phase.LETTING_GO
+    assert kinds(p) == [Yield] and p.phase is Phase.YIELDING
     p.on_timer(0.6)  # nothing due: kubelet has not let go yet
     assert kinds(p) == []
     p.let_go(0.51)
@@ -38,7 +38,7 @@ def test_per_resource_the_successor_registers_only_once_kubelet_let_go_of_us():
 def test_per_socket_the_successor_registers_beside_us_at_once():
     p = Predecessor(overlap=True, now=0.0)
     p.received(0.5, Message.READY)
-    assert kinds(p) == [Send(Message.GO)]  # no HandOff: our streams stay open
+    assert kinds(p) == [Send(Message.GO)]  # no Yield: our streams stay open
     p.received(0.6, Message.REGISTERED)
     assert kinds(p) == [MainPid, Send(Message.MAIN), Exit]
 
@@ -144,7 +144,7 @@ class FakeNode:
     """What the glue reads of the node, and what it tells it."""
 
     def __init__(self):
-        self.told, self.handed_off, self.held_ready, self.registered, self.stopping = [], False, False, False, False
+        self.told, self.yielded, self.ready_on_hold, self.registered, self.stopping = [], False, False, False, False
         self.host = type("Host", (), {"cdi": None})()
 
     def tell_all(self, now, event):
@@ -153,8 +153,8 @@ class FakeNode:
     def release(self, now):
         self.told.append(Release())
 
-    def begin_stop(self, now, handed_over=False):
-        self.told.append(Stop(handed_over))
+    def begin_stop(self, now, replaced=False):
+        self.told.append(Stop(replaced))
 
 
 def test_the_glue_shows_the_machines_the_node_and_carries_each_action_to_the_node_or_the_process():
@@ -163,15 +163,15 @@ def test_the_glue_shows_the_machines_the_node_and_carries_each_action_to_the_nod
     proc.upgrade(0.0, overlap=False)
     proc.heard(0.0, Message.READY)
     proc.upgrade_steps(0.0)
-    assert node.told == [HandOff()] and proc.predecessor.phase is Phase.LETTING_GO
+    assert node.told == [Yield()] and proc.predecessor.phase is Phase.YIELDING
     proc.upgrade_steps(0.1)  # kubelet has not let go
-    assert proc.predecessor.phase is Phase.LETTING_GO and proc._out == []
-    node.handed_off = True
+    assert proc.predecessor.phase is Phase.YIELDING and proc._out == []
+    node.yielded = True
     proc.upgrade_steps(0.2)
     assert proc.predecessor.phase is Phase.REGISTERING and proc._out == [Send(Message.GO)]
     proc.heard(0.3, Message.REGISTERED)
     proc.upgrade_steps(0.3)
-    assert proc._out[1:] == [MainPid(), Send(Message.MAIN), Exit()] and node.told[-1] == Stop(handed_over=True)
+    assert proc._out[1:] == [MainPid(), Send(Message.MAIN), Exit()] and node.told[-1] == Stop(replaced=True)
 
 
 def test_a_take_back_is_the_node_s_and_ready_again_the_process_s():
@@ -188,7 +188,7 @@ def test_a_successor_is_released_and_becomes_main_through_the_glue():
     node = FakeNode()
     proc = Process(node, successor=True)  # type: ignore[arg-type]
     assert proc.upgrading == "successor"
-    node.held_ready = True
+    node.ready_on_hold = True
     proc.upgrade_steps(0.0)
     proc.heard(0.1, Message.GO)
     proc.upgrade_steps(0.1)

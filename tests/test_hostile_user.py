@@ -174,13 +174,13 @@ def test_a_fifo_in_a_metrics_directory_others_can_write_blocks_nothing(start_dae
 
 
 def test_metrics_in_a_directory_only_root_can_write_leave_no_predictable_name(tmp_path, place):
-    from atedevd import metrics
+    from atedevd.daemon import textfile
 
     metrics_dir = os.path.join(place, "m")
     os.makedirs(metrics_dir, mode=0o755)
     fifo = os.path.join(metrics_dir, f".atedevd.prom.{os.getpid()}.tmp")
     os.mkfifo(fifo)  # the name the writer once used: never opened now
-    writer = threading.Thread(target=metrics.write_atomically, args=(os.path.join(metrics_dir, "atedevd.prom"), "a 1\n"),
+    writer = threading.Thread(target=textfile.write_atomically, args=(os.path.join(metrics_dir, "atedevd.prom"), "a 1\n"),
                               daemon=True)
     writer.start()
     writer.join(5)
@@ -191,10 +191,10 @@ def test_metrics_in_a_directory_only_root_can_write_leave_no_predictable_name(tm
     assert sorted(os.listdir(metrics_dir)) == [f".atedevd.prom.{os.getpid()}.tmp", "atedevd.prom"]
     os.symlink(metrics_dir, os.path.join(place, "link"))
     with pytest.raises(OSError, match="is a symbolic link: set metrics_dir to the directory it points to"):
-        metrics.write_atomically(os.path.join(place, "link", "atedevd.prom"), "a 2\n")
+        textfile.write_atomically(os.path.join(place, "link", "atedevd.prom"), "a 2\n")
     os.chown(metrics_dir, NOBODY, NOBODY)
     with pytest.raises(OSError, match=f"{metrics_dir} is owned by nobody .*, not root"):
-        metrics.write_atomically(os.path.join(metrics_dir, "atedevd.prom"), "a 3\n")
+        textfile.write_atomically(os.path.join(metrics_dir, "atedevd.prom"), "a 3\n")
     assert open(os.path.join(metrics_dir, "atedevd.prom")).read() == "a 1\n"
 
 

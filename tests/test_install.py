@@ -451,7 +451,7 @@ def test_bundled_deb_lifecycle(bundled_node, packages):
     assert "/usr/lib/atedevd/site-packages/grpc/_cython/cygrpc." in maps
     # Bytecode compiled at install time for this node's python, not shipped.
     tag = "cpython-" + py.replace(".", "")
-    node.run("test", "-f", f"/usr/lib/atedevd/atedevd/__pycache__/daemon.{tag}.pyc")
+    node.run("test", "-f", f"/usr/lib/atedevd/atedevd/daemon/__pycache__/loop.{tag}.pyc")
     assert_journal_fields(node)
     assert_start_to_registered(node, cell, BUNDLED_SITE)
 

@@ -1,5 +1,5 @@
-"""The runtime invariants below the daemon: the checker (atedevd/invariants.py) finds each kind
-of violation, and the tables with their claims (atedevd/claims.py) hold every invariant
+"""The runtime invariants below the daemon: the checker (atedevd/devices/invariants.py) finds each kind
+of violation, and the tables with their claims (atedevd/devices/claims.py) hold every invariant
 after each of a few thousand udev-like events (nodes plugged in and out under overlapping
 patterns, links made, retargeted and removed, reloads racing unplugs), judged the way the
 daemon judges them.
@@ -13,12 +13,12 @@ import random
 import inotify.constants as ic
 import pytest
 
-from atedevd import claims as claims_mod
-from atedevd import invariants
 from atedevd.config import Device
-from atedevd.devices import UnitSnapshot
-from atedevd.resource import node_table
-from atedevd.watch import DirEvent
+from atedevd.daemon.watch import DirEvent
+from atedevd.devices import claims as claims_mod
+from atedevd.devices import invariants
+from atedevd.devices.snapshot import UnitSnapshot
+from atedevd.glue.resource import node_table
 
 # Character devices every Linux host has, each its own numbers; /dev/mem is refused by the policy.
 NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
@@ -124,7 +124,7 @@ def test_a_node_healthy_in_two_resources_is_a_violation_which_claims_prevent(tmp
 
 
 def test_an_id_that_meant_one_path_and_then_another_is_a_violation():
-    from atedevd.devices import Unit, UnitSnapshot
+    from atedevd.devices.snapshot import Unit, UnitSnapshot
 
     device = Device("a.dev/serial", "/dev/serial/by-id/*")
 
@@ -160,7 +160,7 @@ COLLIDED_ONCE = ("usb-Silicon_Labs_CP2102N_USB_to_UART_Bridge_Controller_000271a
 def test_names_whose_ids_once_collided_are_two_units_now(tmp_path):
     import hashlib
 
-    from atedevd.patterns import unit_id
+    from atedevd.devices.patterns import unit_id
 
     first, second = (f"/dev/serial/by-id/{n}" for n in COLLIDED_ONCE)
     old = [hashlib.sha256(p.encode()).hexdigest()[:10] for p in (first, second)]
@@ -176,7 +176,7 @@ def test_names_whose_ids_once_collided_are_two_units_now(tmp_path):
 def test_colliding_ids_are_refused_loudly_and_an_id_keeps_its_path_through_reloads(tmp_path, monkeypatch):
     """No two names share a 128-bit hash that anyone can find; if two IDs were one all the same,
     the second path is refused loudly, and an ID keeps its path through reloads."""
-    from atedevd import patterns
+    from atedevd.devices import patterns
 
     first, second = COLLIDED_ONCE
     real = patterns.unit_id
@@ -298,12 +298,12 @@ class _Host:
 
 def test_a_daemons_node_looks_at_its_nodes_on_a_deadline_of_its_own_and_watches_where_links_lead(tmp_path):
     """What the simulation does after each event: Invariants().check(node) on the daemon's own Node."""
-    from atedevd.node import Node
-    from atedevd.resource import LOOK_EVERY_S
+    from atedevd.glue.plugin_dir import PluginDir
+    from atedevd.glue.resource import LOOK_EVERY_S
 
     link(tmp_path, "ttyUSB0", "/dev/null")
     link(tmp_path, "serial/by-id/usb-gps", "../../ttyUSB0")
-    node = Node(_Host.plugin_dir, str(tmp_path), "/sys", _Host(), "r1", lambda path, error: False)
+    node = PluginDir(_Host.plugin_dir, str(tmp_path), "/sys", _Host(), "r1", lambda path, error: False)
     node.apply([Device("a.dev/serial", "/dev/serial/by-id/*"), Device("a.dev/kvm", "/dev/kvm")], str(tmp_path), "/sys", 100.0)
     check = invariants.Invariants()
     # the pattern's directory, and every one its link leads through: ttyUSB0's, and the node's at the end

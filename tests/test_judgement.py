@@ -31,7 +31,7 @@ import time
 
 import pytest
 
-from atedevd import cdi_files
+from atedevd.cdi import files as cdi_files
 from rig.harness import REPO, wait_until
 from tests import oci_runtime
 from tests.test_patterns import mknod
@@ -386,7 +386,7 @@ def test_a_pattern_directory_a_user_owns_is_refused_at_start_on_reload_and_when_
     assert wait_until(lambda: stat.S_IMODE(os.stat(event).st_mode) == 0o666, KEEP_S), d.log()
     os.chown(mine, NOBODY, NOBODY)  # then given to a user while atedevd runs: nothing at the node says so
     assert kubelet.wait(lambda: kubelet.devices("ate.dev/mine") == {"mine-kbd": "Unhealthy"}, KEEP_S), d.log()
-    assert f"device-untrusted" in d.log() or f"/dev/mine/kbd: not trusted: {mine} is owned by nobody" in d.log(), d.log()
+    assert "device-untrusted" in d.log() or f"/dev/mine/kbd: not trusted: {mine} is owned by nobody" in d.log(), d.log()
     as_nobody(f"import os; os.symlink('../input/event0', {mine + '/kbd2'!r})")
     os.chmod(event, 0o600)  # udev puts the mode back: host_mode no longer widens a node it did not judge present
     time.sleep(KEEP_S)
@@ -506,10 +506,10 @@ def test_a_runtime_file_that_cannot_be_read_is_a_finding_never_a_hang_or_a_trace
 def test_claimed_nodes_are_not_judged_again_while_nothing_changes(tmp_path, monkeypatch):
     """Two patterns over the same 300 nodes: after the first judgements, looks with nothing changed
     judge nothing (make bench's `overlap` prints the idle CPU it means: under 1 % of a core)."""
-    from atedevd import policy
-    from atedevd.claims import Claims
     from atedevd.config import Device
-    from atedevd.resource import node_table
+    from atedevd.devices import policy
+    from atedevd.devices.claims import Claims
+    from atedevd.glue.resource import node_table
 
     dev = tmp_path / "dev"
     for i in range(300):

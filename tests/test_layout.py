@@ -106,8 +106,8 @@ def test_no_class_is_over_400_lines():
 
 def test_the_daemon_keeps_only_its_process():
     """`Daemon` is the loop, its descriptors and the actions' I/O, at most 250 lines: what the
-    process decides after a wake-up is `Process` (atedevd/process.py), which the simulation runs too."""
-    with open(modules()["atedevd.daemon"], encoding="utf-8") as f:
+    process decides after a wake-up is `Process` (atedevd/glue/process.py), which the simulation runs too."""
+    with open(modules()["atedevd.daemon.loop"], encoding="utf-8") as f:
         tree = ast.parse(f.read())
     (daemon,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Daemon"]
     assert daemon.end_lineno - daemon.lineno + 1 <= 250

@@ -1,8 +1,8 @@
-"""The device lists kubelet may still allocate from (atedevd/lists.py), on a clock of our own."""
+"""The device lists kubelet may still allocate from (atedevd/kubelet/lists.py), on a clock of our own."""
 
-from atedevd import lists
 from atedevd.config import Device
-from atedevd.devices import NodeGrant, SharedSnapshot, Unit, UnitSnapshot
+from atedevd.devices.snapshot import NodeGrant, SharedSnapshot, Unit, UnitSnapshot
+from atedevd.kubelet import lists
 
 KVM = Device("ate.dev/kvm", "/dev/kvm", count=4)
 

@@ -11,9 +11,9 @@ from logging import DEBUG
 
 import pytest
 
-from atedevd import performer
-from atedevd.registration import machine as machine_module
+from atedevd.glue import performer
 from atedevd.record import Record
+from atedevd.registration import machine as machine_module
 from atedevd.registration import messages as m
 from atedevd.registration.machine import TRANSITIONS, InvalidTransition, Registration
 from atedevd.registration.messages import Listing, Outcome, State, Why
@@ -238,19 +238,19 @@ def test_ten_thousand_refused_registers_with_as_many_messages_grow_nothing():
     grown = sum(s.size_diff for s in ours)
     assert grown < 8 * 1024, [str(s) for s in ours[:5]]
     minutes = (lines[-1][0] - lines[0][0]) / 60
-    assert len(lines) <= len(d.node.resources) * (minutes + 5), (len(lines), minutes)  # a line a minute, each
+    assert len(lines) <= len(d.plugins.resources) * (minutes + 5), (len(lines), minutes)  # a line a minute, each
 
 
-# --- an upgrade: the successor held, the predecessor handing off (atedevd/handoff.py) ---------
+# --- an upgrade: the successor held, the predecessor handing off (atedevd/upgrade/machines.py) ---------
 
 
 def test_a_successor_binds_but_registers_only_once_released_and_asks_nothing_at_start():
     reg = Registration(RESOURCE, 4)
-    reg.handle(0.0, m.Serve(True, -60.0, held=True))
+    reg.handle(0.0, m.Serve(True, -60.0, on_hold=True))
     acts = reg.take()
     assert [type(a) for a in acts if not isinstance(a, m.Say)] == [m.Bind]  # no START question
     reg.handle(0.001, m.Bound(acts[0].sid))
-    assert kinds(reg) == [] and reg.state is State.WAITING and reg.moves.held
+    assert kinds(reg) == [] and reg.state is State.WAITING and reg.moves.on_hold
     reg.handle(0.002, m.Release())
     place = first(reg.take(), m.Place)
     reg.handle(0.002, m.Placed(place.sid))
@@ -260,18 +260,18 @@ def test_a_successor_binds_but_registers_only_once_released_and_asks_nothing_at_
 def test_a_predecessor_hands_off_keeps_its_standby_and_takes_the_registration_back_if_told():
     reg = registered()
     current, standby = reg.book.current, reg.book.standby
-    reg.handle(1.0, m.HandOff())
+    reg.handle(1.0, m.Yield())
     acts = reg.take()
-    assert reg.state is State.HANDING_OFF
+    assert reg.state is State.YIELDING
     assert m.EndStreams(current) in acts and m.CountConnections((current,)) in acts
     reg.handle(1.001, m.ConnectionsCounted(0))
     ask = first(reg.take(), m.AskPodResources)
     reg.handle(1.002, m.Listed(ask.cid, Listing.LISTED, 0))
     acts = reg.take()
-    assert reg.state is State.HANDED_OFF and m.CloseSocket(current) in acts
+    assert reg.state is State.YIELDED and m.CloseSocket(current) in acts
     assert reg.book.standby == standby and m.CloseSocket(standby) not in acts  # kept for a take-back
     reg.handle(2.0, m.KubeletCreated(2.0, ours_present=False))  # the successor's business now
-    assert reg.state is State.HANDED_OFF and kinds(reg) == []
+    assert reg.state is State.YIELDED and kinds(reg) == []
     reg.handle(3.0, m.TakeBack())  # first: does kubelet still list a successor that registered?
     ask = first(reg.take(), m.AskPodResources)
     reg.handle(3.0, m.Listed(ask.cid, Listing.LISTED, 4))  # it does: its teardown is pending
@@ -285,7 +285,7 @@ def test_a_predecessor_hands_off_keeps_its_standby_and_takes_the_registration_ba
 
 def test_a_predecessor_handed_off_stops_at_once():
     reg = registered()
-    reg.handle(1.0, m.HandOff())
+    reg.handle(1.0, m.Yield())
     reg.handle(1.0, m.ConnectionsCounted(0))
     ask = first(reg.take(), m.AskPodResources)
     reg.handle(1.0, m.Listed(ask.cid, Listing.LISTED, 0))
@@ -298,7 +298,7 @@ def test_a_predecessor_still_streaming_exits_after_the_handover_without_a_let_go
     kubelet lists is its; a let-go wait would only poll pod-resources for its limit."""
     reg = registered()
     current = reg.book.current
-    reg.handle(2.0, m.Stop(handed_over=True))
+    reg.handle(2.0, m.Stop(replaced=True))
     acts = reg.take()
     assert reg.state is State.STOPPED and m.CloseSocket(current) in acts  # its streams end with it
     assert not [a for a in acts if isinstance(a, (m.AskPodResources, m.CountConnections))]
@@ -323,7 +323,7 @@ def test_register_again_hands_over_from_our_own_socket_and_is_ignored_while_hand
     assert first(reg.take(), m.SendRegister).sid == place.sid
     assert reg.tally.begun.get(Why.TAKEN_BACK) == 1
     off = registered()
-    off.handle(1.0, m.HandOff())
+    off.handle(1.0, m.Yield())
     off.take()
     off.handle(1.5, m.RegisterAgain())  # the successor's business now
     assert kinds(off) == [] and off.tally.begun.get(Why.TAKEN_BACK) is None

@@ -14,8 +14,10 @@ import google.protobuf
 import grpc
 import pytest
 
-from atedevd import config, metrics
-from atedevd.registration import State, Why
+from atedevd import config
+from atedevd.daemon import textfile
+from atedevd.glue import metrics
+from atedevd.registration.messages import State, Why
 from atedevd.registration.report import Report
 from rig.harness import RESOURCE
 from rig.metrics_scrape import NodeExporter, parse, series, value
@@ -119,16 +121,16 @@ def test_the_same_state_renders_the_same_text():
     """Else the file would be rewritten on every pass of the loop."""
     reg = fake_registration()
     assert rendered(reg)[0] == rendered(reg)[0]
-    offset = metrics.WallOffset()
+    offset = textfile.WallOffset()
     assert offset.current() == offset.current()  # not taken afresh: microseconds apart would differ
 
 
 def test_the_wall_clock_offset_follows_a_step_only(monkeypatch):
-    offset = metrics.WallOffset()
+    offset = textfile.WallOffset()
     first = offset.value
-    monkeypatch.setattr(metrics.time, "time", lambda real=metrics.time.time: real() + 0.3)
+    monkeypatch.setattr(textfile.time, "time", lambda real=textfile.time.time: real() + 0.3)
     assert offset.current() == first  # slewing, or noise: kept
-    monkeypatch.setattr(metrics.time, "time", lambda real=metrics.time.time: real() + 3600)
+    monkeypatch.setattr(textfile.time, "time", lambda real=textfile.time.time: real() + 3600)
     assert abs(offset.current() - (first + 3600)) < 1  # stepped (NTP after boot): followed
 
 
@@ -142,7 +144,7 @@ def text(value):
 def test_written_atomically_0644_whatever_the_umask(tmp_path):
     old = os.umask(0o077)  # the daemon's
     try:
-        w = metrics.TextfileWriter(str(tmp_path))
+        w = textfile.TextfileWriter(str(tmp_path))
         w.update(text("a 1\n"), now=0.0)
     finally:
         os.umask(old)
@@ -152,7 +154,7 @@ def test_written_atomically_0644_whatever_the_umask(tmp_path):
 
 
 def test_rewritten_when_changed_and_at_least_every_refresh(tmp_path):
-    w = metrics.TextfileWriter(str(tmp_path), refresh=30.0, min_interval=1.0)
+    w = textfile.TextfileWriter(str(tmp_path), refresh=30.0, min_interval=1.0)
     path = tmp_path / "atedevd.prom"
     w.update(text("a 1\n"), now=0.0)
     inode = os.stat(path).st_ino
@@ -170,7 +172,7 @@ def test_rewritten_when_changed_and_at_least_every_refresh(tmp_path):
 def test_changes_in_quick_succession_are_rendered_once_at_the_end_of_the_interval(tmp_path):
     """A kubelet restart wakes the loop many times in a few milliseconds: the first change is
     written at once, the rest together a second later, not one render per wake-up."""
-    w = metrics.TextfileWriter(str(tmp_path), refresh=30.0, min_interval=1.0)
+    w = textfile.TextfileWriter(str(tmp_path), refresh=30.0, min_interval=1.0)
     path = tmp_path / "atedevd.prom"
     renders = []
 
@@ -195,7 +197,7 @@ def test_changes_in_quick_succession_are_rendered_once_at_the_end_of_the_interva
 
 def test_a_write_error_is_logged_once_and_its_end_once(tmp_path, caplog):
     target = tmp_path / "gone"
-    w = metrics.TextfileWriter(str(target), refresh=30.0)
+    w = textfile.TextfileWriter(str(target), refresh=30.0)
     with caplog.at_level(logging.INFO, logger="atedevd"):
         for n in range(4):
             w.update(text(f"a {n}\n"), now=n * 31.0)  # never raises
@@ -208,18 +210,18 @@ def test_a_write_error_is_logged_once_and_its_end_once(tmp_path, caplog):
 
 
 def test_off_writes_nothing_and_sets_no_deadline(tmp_path):
-    w = metrics.TextfileWriter(None)
+    w = textfile.TextfileWriter(None)
     w.update(text("a 1\n"), now=0.0)
     assert not w.enabled and w.deadline() is None
 
 
 def test_the_directory_default_and_off(tmp_path, monkeypatch):
-    monkeypatch.setattr(metrics, "DEFAULT_DIR", str(tmp_path / "node-exporter"))
-    assert metrics.resolve_dir(None) is None  # node_exporter not installed: off
+    monkeypatch.setattr(textfile, "DEFAULT_DIR", str(tmp_path / "node-exporter"))
+    assert textfile.resolve_dir(None) is None  # node_exporter not installed: off
     (tmp_path / "node-exporter").mkdir()
-    assert metrics.resolve_dir(None) == str(tmp_path / "node-exporter")
-    assert metrics.resolve_dir("") is None  # explicitly off
-    assert metrics.resolve_dir("/srv/m") == "/srv/m"
+    assert textfile.resolve_dir(None) == str(tmp_path / "node-exporter")
+    assert textfile.resolve_dir("") is None  # explicitly off
+    assert textfile.resolve_dir("/srv/m") == "/srv/m"
 
 
 def test_the_config_key_and_the_flag(tmp_path):

@@ -389,7 +389,7 @@ def test_source_packages_build(tmp_path):
     dsc = tmp_path / f"atedevd_{VERSION}-1.dsc"
     assert dsc.is_file() and (tmp_path / f"atedevd_{VERSION}.orig.tar.gz").is_file()
     run("dpkg-source", "-x", str(dsc), str(tmp_path / "x"), cwd=tmp_path)
-    assert (tmp_path / "x/debian/rules").is_file() and (tmp_path / "x/atedevd/daemon.py").is_file()
+    assert (tmp_path / "x/debian/rules").is_file() and (tmp_path / "x/atedevd/daemon/loop.py").is_file()
     run("make", "-C", str(ROOT), "rpm-source", env=env)
     srpm = tmp_path / f"atedevd-{VERSION}-1.src.rpm"
     files = run("rpm", "-qpl", str(srpm)).stdout.split()

@@ -9,9 +9,11 @@ import stat
 
 import pytest
 
-from atedevd import check, config, devices, patterns, trust
+from atedevd import config, trust
+from atedevd.check import report as check
 from atedevd.config import ConfigError, Device
-from atedevd.resource import node_table
+from atedevd.devices import patterns, placement, policy, snapshot
+from atedevd.glue.resource import node_table
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod and chown need root")
 VFIO = Device("ate.dev/vfio", "/dev/vfio/[0-9]*", companions=("/dev/vfio/vfio",))
@@ -144,7 +146,7 @@ def test_a_refused_companion_fails_the_configuration_a_refused_match_does_not(tm
 @needs_root
 def test_a_node_a_pattern_hands_out_and_another_device_reaches_is_named_not_a_configuration_error(tmp_path):
     """Which nodes two entries share depends on what udev made: the daemon serves neither
-    (atedevd/claims.py) and `check-config` says so, at start as later; it is no reason to
+    (atedevd/devices/claims.py) and `check-config` says so, at start as later; it is no reason to
     refuse the configuration (a node plugged in while the daemon ran would refuse its next start)."""
     dev = tmp_path / "dev"
     mknod(dev, "ttyUSB0", 188, 0)
@@ -355,29 +357,29 @@ def test_a_usb_adapters_numa_node_is_its_controllers(tmp_path):
     (pci / "numa_node").write_text("1\n")
     (sys_root / "dev" / "char" / "188:0").mkdir(parents=True)
     os.symlink(tty.parent, sys_root / "dev" / "char" / "188:0" / "device")
-    node = devices.policy.DeviceNode("/dev/ttyUSB0", "/dev/ttyUSB0", "char", 188, 0)
-    assert devices.placement(node, str(sys_root)) == ((1,), ())
+    node = policy.DeviceNode("/dev/ttyUSB0", "/dev/ttyUSB0", "char", 188, 0)
+    assert placement.placement(node, str(sys_root)) == ((1,), ())
     (pci / "numa_node").write_text("-1\n")
-    assert devices.placement(node, str(sys_root)) == ((), ())
+    assert placement.placement(node, str(sys_root)) == ((), ())
 
 
 # --- snapshots and the preferred allocation ---------------------------------------------------
 
 
 def test_a_snapshot_counts_its_units_and_the_healthy_ones():
-    kvm = (devices.NodeGrant("/dev/kvm", 10, 232),)
-    shared = devices.SharedSnapshot(Device("a.dev/kvm", "/dev/kvm", 8), True, 1, kvm)
+    kvm = (snapshot.NodeGrant("/dev/kvm", 10, 232),)
+    shared = snapshot.SharedSnapshot(Device("a.dev/kvm", "/dev/kvm", 8), True, 1, kvm)
     assert (shared.units, shared.healthy_units, shared.grants()) == (8, 8, {None: kvm})
-    down = devices.SharedSnapshot(Device("a.dev/kvm", "/dev/kvm", 8), False, 1, kvm)
+    down = snapshot.SharedSnapshot(Device("a.dev/kvm", "/dev/kvm", 8), False, 1, kvm)
     assert (down.healthy_units, down.grants()) == (0, {})  # nothing granted: no numbers carried
-    a = (devices.NodeGrant("/dev/a", 188, 0),)
-    units = (devices.Unit("a", "/dev/a", True, (0,), a), devices.Unit("b", "/dev/b", False))
-    snap = devices.UnitSnapshot(Device("a.dev/x", "/dev/*"), 2, units)
+    a = (snapshot.NodeGrant("/dev/a", 188, 0),)
+    units = (snapshot.Unit("a", "/dev/a", True, (0,), a), snapshot.Unit("b", "/dev/b", False))
+    snap = snapshot.UnitSnapshot(Device("a.dev/x", "/dev/*"), 2, units)
     assert (snap.units, snap.healthy_units, snap.healthy, snap.grants()) == (2, 1, True, {"a": a})  # at least one is
     again = snap.again()
     assert again is not snap and again.by_id == snap.by_id and again.ids == {"a", "b"}
-    assert type(again) is devices.UnitSnapshot and type(shared.again()) is devices.SharedSnapshot
-    assert not devices.UnitSnapshot(Device("a.dev/x", "/dev/*"), 3, ()).healthy
+    assert type(again) is snapshot.UnitSnapshot and type(shared.again()) is snapshot.SharedSnapshot
+    assert not snapshot.UnitSnapshot(Device("a.dev/x", "/dev/*"), 3, ()).healthy
 
 
 NUMA = {"n0-a": (0,), "n0-b": (0,), "n1-a": (1,), "n1-b": (1,), "n1-c": (1,), "none": ()}

@@ -1,9 +1,9 @@
-"""The daemon's one pod-resources client (atedevd/pod_resources.py): one call for every
+"""The daemon's one pod-resources client (atedevd/kubelet/pod_resources.py): one call for every
 question that waits, an answer newer than the question, and a budget of atedevd's own
 inside kubelet's limit (100 a second, burst 10, for every client on the node)."""
 
-from atedevd import pod_resources
-from atedevd.pod_resources import PodResourcesClient
+from atedevd.kubelet import pod_resources
+from atedevd.kubelet.pod_resources import PodResourcesClient
 from atedevd.registration.messages import Listing
 
 

@@ -11,8 +11,8 @@ import stat
 
 import pytest
 
-from atedevd import policy
-from atedevd.policy import DeviceNode as Node
+from atedevd.devices import judgement, policy, shared
+from atedevd.devices.policy import DeviceNode as Node
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
@@ -227,7 +227,8 @@ def test_this_hosts_sysfs_names_dev_null_as_the_rules_expect():
 def test_check_and_check_config_warn_about_every_opted_in_device(tmp_path):
     import io
 
-    from atedevd import check, config
+    from atedevd import config
+    from atedevd.check import report as check
 
     dev = tmp_path / "dev"
     dev.mkdir()
@@ -253,7 +254,7 @@ def test_check_and_check_config_warn_about_every_opted_in_device(tmp_path):
 def test_presence_follows_symlinks_as_the_runtime_does(tmp_path):
     """containerd resolves a DeviceSpec's host path (EvalSymlinks) and stats the target; a dangling
     link fails the container and a link to a directory would grant every node in it."""
-    from atedevd import devices
+
     from atedevd.config import Device
 
     dev = tmp_path / "dev"
@@ -262,22 +263,22 @@ def test_presence_follows_symlinks_as_the_runtime_does(tmp_path):
     os.symlink("dri/card0", dev / "gpu")  # relative, like udev's by-path links
     os.symlink("dri", dev / "gpus")
     os.symlink("nothing", dev / "gone")
-    look = lambda name: devices.judge_path(Device("a.dev/x", f"/dev/{name}"), str(dev))  # noqa: E731
+    look = lambda name: judgement.judge_path(Device("a.dev/x", f"/dev/{name}"), str(dev))  # noqa: E731
     gpu = look("gpu")
-    assert gpu.state is devices.NodeState.PRESENT and (gpu.node.resolved, gpu.node.numbers) == ("/dev/null", "1:3")
+    assert gpu.state is judgement.NodeState.PRESENT and (gpu.node.resolved, gpu.node.numbers) == ("/dev/null", "1:3")
     gpus = look("gpus")
-    assert (gpus.state, gpus.why) == (devices.NodeState.NOT_A_NODE, "a directory, not a character device")
-    assert look("gone").state is devices.NodeState.MISSING
+    assert (gpus.state, gpus.why) == (judgement.NodeState.NOT_A_NODE, "a directory, not a character device")
+    assert look("gone").state is judgement.NodeState.MISSING
 
 
 def test_node_watch_keeps_the_first_node_across_a_reload_that_changed_nothing(tmp_path):
-    from atedevd import devices
+
     from atedevd.config import Device
 
     dev = tmp_path / "dev"
     dev.mkdir()
     os.symlink("/dev/null", dev / "kvm")
-    watch = devices.NodeWatch(Device("ate.dev/kvm", "/dev/kvm"), str(dev), "/sys")
+    watch = shared.NodeWatch(Device("ate.dev/kvm", "/dev/kvm"), str(dev), "/sys")
     assert watch.look(advertised=False).present
     assert watch.look(advertised=True) is None  # nothing changed: nothing to say
     watch.forget()  # a reload

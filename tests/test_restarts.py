@@ -1,4 +1,4 @@
-"""The crash-loop brake (atedevd/restarts.py): no wait after a clean end or a first crash,
+"""The crash-loop brake (atedevd/daemon/restarts.py): no wait after a clean end or a first crash,
 an escalating one for quick crashes in a row. Under a real systemd: test_systemd.py."""
 
 import os
@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from atedevd import restarts
+from atedevd.daemon import restarts
 from rig.harness import Daemon, fake_dev_root
 from rig.kubelet_standin import Kubelet
 

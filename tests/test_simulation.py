@@ -12,7 +12,8 @@ import glob
 import os
 import tempfile
 
-from atedevd.registration import TRANSITIONS, handover
+from atedevd.registration import letgo
+from atedevd.registration.moves import TRANSITIONS
 from tests.simulation.scenarios import CHAIN, MODES, SCENARIOS, run_matrix, run_round, run_rounds
 
 ROUNDS = int(os.environ.get("SIM_ROUNDS", "10000"))
@@ -57,7 +58,7 @@ def test_the_simulation_finds_the_race_a_fixed_settle_leaves(monkeypatch):
     results = run_matrix(["kubelet-ends-our-stream"], ["1.32"], 300, 1, 1.0, 1,
                          {"connections_visible": False, "pod_resources": False, "fixed_wait": 0.05})
     failures = results[("kubelet-ends-our-stream", "1.32")]["failures"]
-    monkeypatch.setattr(handover, "FIXED_WAIT_S", 0.5)  # run_round set it for this process
+    monkeypatch.setattr(letgo, "FIXED_WAIT_S", 0.5)  # run_round set it for this process
     assert len(failures) > 10
     assert any("stopped" in p or "duplicate" in p for _, _, problems in failures for p in problems)
 

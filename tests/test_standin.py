@@ -21,9 +21,9 @@ import inotify.constants as c
 import pytest
 
 from atedevd.api import PodResourcesStub, prpb
-from atedevd.sockets import held_connections
+from atedevd.kubelet.sockets import held_connections
 from rig.kubelet_standin import (DOWN, KUBELET_RATE_LIMIT, KUBELET_SOCKET, MODES, RATE_LIMITED, AdmissionLog, Kubelet,
-                                   TokenBucket)
+                                 TokenBucket)
 from rig.node_agent import NodeAgent
 from rig.tiny_plugin import Plugin
 from rig.tiny_plugin import register as _register

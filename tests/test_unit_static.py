@@ -127,7 +127,7 @@ def test_service_contract(unit):
 def test_restart_policy(unit):
     assert one(unit, "Service", "Restart") in ("always", "on-failure")
     # Back within 400 ms of a crash: systemd's part is RestartSec=; a crash loop is slowed by
-    # the daemon (atedevd/restarts.py), whose marker must outlive a restart and not a stop.
+    # the daemon (atedevd/daemon/restarts.py), whose marker must outlive a restart and not a stop.
     assert seconds(one(unit, "Service", "RestartSec")) <= 0.1
     assert one(unit, "Service", "RuntimeDirectoryPreserve") == "restart"
     # Before=kubelet.service: a start that hangs holds kubelet back at boot this long at most,

@@ -116,7 +116,7 @@ def test_an_upgrade_is_handed_to_the_new_atedevd(start_daemon, kubelet, installe
 ])
 def test_a_successor_that_fails_leaves_us_serving_with_one_error(start_daemon, kubelet, installed, tmp_path,
                                                                   broken, why):
-    d = start_daemon(config=config(tmp_path), launcher=launcher(installed, "import atedevd.handoff as h; h.READY_LIMIT_S = 2"),
+    d = start_daemon(config=config(tmp_path), launcher=launcher(installed, "import atedevd.upgrade.machines as h; h.READY_LIMIT_S = 2"),
                      log_level="debug")
     registered(d, kubelet)
     stream, mark = kubelet.live_streams(RESOURCE), kubelet.mark()
@@ -135,7 +135,7 @@ def test_a_successor_kubelet_refuses_is_stopped_and_we_register_again(start_daem
     """kubelet refuses the new one's Register: it is stopped after the limit, and we, who had
     handed off, take the registration back."""
     d = start_daemon(config=config(tmp_path),
-                     launcher=launcher(installed, "import atedevd.handoff as h; h.REGISTER_LIMIT_S = 3"), log_level="debug")
+                     launcher=launcher(installed, "import atedevd.upgrade.machines as h; h.REGISTER_LIMIT_S = 3"), log_level="debug")
     registered(d, kubelet)
     mark = kubelet.mark()
     ours = os.path.basename(kubelet.live_streams(RESOURCE)[0].endpoint).split(".")[2].split("-")[0]
@@ -161,7 +161,7 @@ def test_the_running_daemon_imports_nothing_from_disk_once_started(start_daemon,
             "    if event == 'import' and getattr(sys, 'atedevd_started', False):\n"
             "        import os; sys.stderr.write(f'IMPORTED AFTER START by {os.getpid()}: {args[0]}\\n')\n"
             "sys.addaudithook(_audit)\n"
-            "import atedevd.daemon as _d, atedevd.process as _p\n"
+            "import atedevd.daemon.loop as _d, atedevd.glue.process as _p\n"
             "_real = _d._DO[_p.StartWork]\n"
             "def _start_work(self, a):\n"
             "    _real(self, a)\n"
@@ -190,7 +190,7 @@ def test_a_successor_that_hung_up_before_it_forked_is_named_by_its_exit_status()
     """Found by CI: a successor that exits at start closes the channel a moment before its
     status can be read (the kernel closes a process's descriptors first); the failure was
     then "closed its end of the channel" instead of "exited with status 3"."""
-    from atedevd import upgrade
+    from atedevd.upgrade import peers as upgrade
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
@@ -212,7 +212,7 @@ def test_a_successor_that_hung_up_before_it_forked_is_named_by_its_exit_status()
 def test_the_successors_search_path_and_arguments_depend_on_nothing_where_we_were_started(tmp_path, monkeypatch):
     """The working directory (what `python3 -m` puts first), the script's directory, "" and
     relative entries are left out; a relative --config is made absolute (the successor runs in /)."""
-    from atedevd import upgrade
+    from atedevd.upgrade import peers as upgrade
 
     script = tmp_path / "bin" / "atedevd"
     script.parent.mkdir()

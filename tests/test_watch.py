@@ -14,8 +14,8 @@ import time
 import inotify.constants as c
 import pytest
 
-from atedevd import watch
-from atedevd.watch import DirEvent, Watcher
+from atedevd.daemon import watch
+from atedevd.daemon.watch import DirEvent, Watcher
 
 
 @pytest.fixture

@@ -5,17 +5,11 @@
     moves.py        `Moves`: its State and every move between them (TRANSITIONS), over the parts:
     socket_book.py    which sockets exist and what each one is for
     attempts.py       the Register in flight, what came meanwhile, and when to try again
-    handover.py       the wait for kubelet to let go of an old socket
+    letgo.py          the wait for kubelet to let go of an old socket
     questions.py      the pod-resources call in flight, and whose answer it is
     count_check.py    does kubelet count our devices? (pod-resources)
     report.py         the tally it keeps, and the typed report STATUS= and the metrics read
 
-`atedevd/performer.py` carries the actions out; the simulation (tests/simulation)
+`atedevd/glue/performer.py` carries the actions out; the simulation (tests/simulation)
 runs the same performer with only the I/O beneath it faked.
 """
-
-from atedevd.registration.machine import Registration
-from atedevd.registration.moves import TRANSITIONS
-from atedevd.registration.messages import State, Why
-
-__all__ = ["Registration", "State", "TRANSITIONS", "Why"]

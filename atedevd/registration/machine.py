@@ -7,7 +7,7 @@ a socket or a clock, so one seed of the simulation replays one run exactly.
 
 It is composed of parts, each with a job and a state of its own: the
 `SocketBook` (which sockets exist and what each is for), `Attempts` (the
-Register in flight and its retries), the `Handover` (the wait for kubelet to let
+Register in flight and its retries), the `LetGo` (the wait for kubelet to let
 go of an old socket), `Questions` (pod-resources calls), the `CountCheck` (does
 kubelet count our devices?) and the `Tally` (what `STATUS=` and the metrics
 tell); `Moves` (moves.py) holds its `State` and makes every move between them,
@@ -27,9 +27,9 @@ from typing import Callable, Dict, List, Optional
 
 from atedevd.registration import messages as m
 from atedevd.registration.attempts import SLOW_RETRY_S, Retry
-from atedevd.registration.handover import Purpose
+from atedevd.registration.letgo import Purpose
 from atedevd.registration.messages import Listing, Outcome, State, Timer, Why
-from atedevd.registration.moves import (HANDED, IDLE, LETTING, SERVED, STREAMING, TRANSITIONS, VERIFY_S,
+from atedevd.registration.moves import (YIELD_STATES, IDLE, LETTING, SERVED, STREAMING, TRANSITIONS, VERIFY_S,
                                         InvalidTransition, Moves)
 from atedevd.registration.questions import Question
 from atedevd.registration.report import Report
@@ -52,7 +52,7 @@ class Registration:
                            device_path, connections_visible)
         mv = self.moves  # its parts, by their names
         self.actions, self.book, self.tally, self.attempts = mv.actions, mv.book, mv.tally, mv.attempts
-        self.handover, self.questions, self.check = mv.handover, mv.questions, mv.check
+        self.letgo, self.questions, self.check = mv.letgo, mv.questions, mv.check
 
     @property
     def state(self) -> State:
@@ -84,7 +84,7 @@ class Registration:
     def get_timer(self) -> Optional[float]:
         """When `handle_timer` is due next (the loop asks after every wake-up: no table walk)."""
         a = self.attempts
-        times = [t for t in (a.deadline, a.verify_by, self.book.deadline, self.moves.serve_at, self.handover.deadline,
+        times = [t for t in (a.deadline, a.verify_by, self.book.deadline, self.moves.serve_at, self.letgo.deadline,
                              self.check.deadline, self.questions.deadline, self.tally.deadline) if t is not None]
         return min(times) if times else None
 
@@ -111,10 +111,10 @@ class Registration:
         return self.book.held()
 
     @property
-    def held(self) -> bool:
+    def on_hold(self) -> bool:
         """Served, but registering only once released (an upgrade's successor, or a predecessor
         that handed over and was unserved meanwhile)."""
-        return self.moves.held
+        return self.moves.on_hold
 
     @property
     def standby_ready(self) -> bool:
@@ -141,7 +141,7 @@ class Registration:
             return
         self.moves.kubelet_seen(e.kubelet_up, e.kubelet_at)
         self.moves.move(State.WAITING, now)
-        if e.held:  # a successor: its predecessor says when (no earlier instance to wait for)
+        if e.on_hold:  # a successor: its predecessor says when (no earlier instance to wait for)
             self.moves.hold()
         elif e.kubelet_up:
             self.questions.ask(Question.START)  # a previous instance's teardown may be pending
@@ -154,7 +154,7 @@ class Registration:
             return
         if self.moves.state in STREAMING:
             self.tally.lost(now, WARNING, "registration-lost", f"lost registration: {e.why}")
-        handed = self.moves.state in HANDED
+        handed = self.moves.state in YIELD_STATES
         self.moves.close_all()
         self.moves.move(State.UNSERVED, now)
         if handed:  # its successor registers: served again, it waits to be told to take back
@@ -171,7 +171,7 @@ class Registration:
     def _reconfigure(self, now: float, e: m.Reconfigure) -> None:
         self.moves.advertise(e.units, e.healthy_units)
         self.book.close(self.book.standby)  # it serves the old table
-        if self.moves.state in IDLE or self.moves.state in HANDED:
+        if self.moves.state in IDLE or self.moves.state in YIELD_STATES:
             return
         if self.moves.state in STREAMING:
             self.tally.lost(now)
@@ -186,36 +186,36 @@ class Registration:
         # A Register in flight is not cancelled: kubelet goes on with it whatever we do, so
         # its outcome is waited for (bounded) and its socket let go of like the others.
         streaming = self.moves.wind_down(now, State.STOPPING)
-        waits_for = self.attempts.call is not None or (self.book.known_retiring() and not e.handed_over)
+        waits_for = self.attempts.call is not None or (self.book.known_retiring() and not e.replaced)
         if not self.moves.kubelet_up or not waits_for:
             self.moves.finish_stop(now)
             return
-        self.moves.hand_over(now, Purpose.STOP, streaming)
+        self.moves.begin_let_go(now, Purpose.STOP, streaming)
 
     def _release(self, now: float, e: m.Release) -> None:
         if self.moves.release():
             if self.moves.state is State.WAITING:
                 self.moves.try_start(now)
 
-    def _hand_off(self, now: float, e: m.HandOff) -> None:
+    def _hand_off(self, now: float, e: m.Yield) -> None:
         """Like a stop, but the standby stays: if the successor fails, we register again on it."""
         if self.moves.state is State.UNSERVED:  # served again later, it waits to be told to take back
             self.moves.hold(Why.TAKEN_BACK)
         if self.moves.state not in SERVED:
             return
-        streaming = self.moves.wind_down(now, State.HANDING_OFF)
+        streaming = self.moves.wind_down(now, State.YIELDING)
         if not self.moves.kubelet_up or not (self.book.known_retiring() or self.attempts.call is not None):
-            self.moves.handed_off(now)
+            self.moves.yielded(now)
             return
-        self.moves.hand_over(now, Purpose.HAND_OFF, streaming)
+        self.moves.begin_let_go(now, Purpose.YIELD, streaming)
 
     def _register_again(self, now: float, e: m.RegisterAgain) -> None:
-        if self.moves.state in SERVED and self.moves.state not in HANDED:
+        if self.moves.state in SERVED and self.moves.state not in YIELD_STATES:
             self.moves.attempt(now, Why.TAKEN_BACK)
 
     def _take_back(self, now: float, e: m.TakeBack) -> None:
         held = self.moves.release()  # (unserved while handing over, and held since)
-        if self.moves.state in HANDED or (held and self.moves.state is State.WAITING):
+        if self.moves.state in YIELD_STATES or (held and self.moves.state is State.WAITING):
             self.moves.take_back(now)
 
     def _close(self, now: float, e: m.CloseAll) -> None:
@@ -232,10 +232,10 @@ class Registration:
         if self.moves.state in IDLE:
             return
         restarted = not e.ours_present
-        if self.moves.state in HANDED:  # the successor registers with the new kubelet
-            if restarted and self.moves.state is State.HANDING_OFF:
+        if self.moves.state in YIELD_STATES:  # the successor registers with the new kubelet
+            if restarted and self.moves.state is State.YIELDING:
                 self.attempts.cancel()  # a Register in flight went to the kubelet that is gone
-                self.moves.handed_off(now)  # the kubelet that held our streams is gone
+                self.moves.yielded(now)  # the kubelet that held our streams is gone
             return
         if self.attempts.reached(e.at) and not restarted:
             return  # the Register in flight dialled this kubelet (or fails at once): its outcome decides
@@ -349,9 +349,9 @@ class Registration:
             return  # cancelled: a newer kubelet made it moot
         if e.outcome is not Outcome.REFUSED:
             self.book.reached_kubelet(call.sid)  # kubelet has (or had) a client for it
-        if self.moves.state in (State.STOPPING, State.HANDING_OFF):  # let go of this one too
+        if self.moves.state in (State.STOPPING, State.YIELDING):  # let go of this one too
             self.book.end([call.sid])
-            self.moves.hand_over(now, Purpose.STOP if self.moves.state is State.STOPPING else Purpose.HAND_OFF, False)
+            self.moves.begin_let_go(now, Purpose.STOP if self.moves.state is State.STOPPING else Purpose.YIELD, False)
             return
         self.book.close_retiring()  # kubelet let go of them before we registered, or it restarted
         if e.outcome is Outcome.OK:
@@ -381,9 +381,9 @@ class Registration:
             self.book.saw_listing()
         if question is Question.START:
             self.moves.start_answer(now, e)
-        elif question is Question.HANDOVER:
+        elif question is Question.LET_GO:
             if self.moves.state in LETTING:
-                self.moves.after_handover(now, self.handover.on_listing(now, e.listing, e.devices, self.moves.healthy_units > 0,
+                self.moves.after_let_go(now, self.letgo.on_listing(now, e.listing, e.devices, self.moves.healthy_units > 0,
                                                                    self.questions.served))
         elif question is Question.CHECK and self.moves.state is State.REGISTERED \
                 and self.check.on_answer(now, e.listing, e.devices, self.moves.healthy_units):
@@ -392,12 +392,12 @@ class Registration:
 
     def _connections_counted(self, now: float, e: m.ConnectionsCounted) -> None:
         if self.moves.state in LETTING:
-            self.moves.after_handover(now, self.handover.on_connections(
+            self.moves.after_let_go(now, self.letgo.on_connections(
                 now, e.held, self.moves.healthy_units > 0, self.questions.served, e.watched))
 
     def _hung_up(self, now: float, e: m.HungUp) -> None:
         if self.moves.state in LETTING:
-            self.handover.on_hangup()
+            self.letgo.on_hangup()
 
     # --- timers ------------------------------------------------------------------------------
 
@@ -427,11 +427,11 @@ class Registration:
             self.moves.move(State.WAITING, now)
             self.moves.attempt(now, Why.NOT_WATCHED)
 
-    def _timer_handover(self, now: float) -> None:
+    def _timer_let_go(self, now: float) -> None:
         if self.moves.state in LETTING:
-            self.moves.after_handover(now, self.handover.on_timer(now, self.moves.healthy_units > 0, self.questions.served))
+            self.moves.after_let_go(now, self.letgo.on_timer(now, self.moves.healthy_units > 0, self.questions.served))
         else:
-            self.handover.cancel()
+            self.letgo.cancel()
 
     def _timer_check(self, now: float) -> None:
         self.check.stop()
@@ -446,7 +446,7 @@ _TIMERS = (
      lambda r, now: r.book.on_timer(r.moves.state not in IDLE and r.moves.standby_possible)),
     (Timer.SERVE, lambda r: r.moves.serve_at, Registration._timer_serve),
     (Timer.VERIFY, lambda r: r.attempts.verify_by, Registration._timer_verify),
-    (Timer.HANDOVER, lambda r: r.handover.deadline, Registration._timer_handover),
+    (Timer.LET_GO, lambda r: r.letgo.deadline, Registration._timer_let_go),
     (Timer.CHECK, lambda r: r.check.deadline, Registration._timer_check),
     (Timer.ASK, lambda r: r.questions.deadline, lambda r, now: r.questions.on_timer()),
     (Timer.WARN, lambda r: r.tally.deadline, lambda r, now: r.tally.on_timer(now, r.moves.state is State.REGISTERED)),
@@ -455,7 +455,7 @@ _DEADLINE = {timer: deadline for timer, deadline, _ in _TIMERS}
 _HANDLERS: Dict[type, Callable[..., None]] = {
     m.Serve: Registration._serve, m.Unserve: Registration._unserve, m.Publish: Registration._publish,
     m.Reconfigure: Registration._reconfigure, m.Stop: Registration._stop, m.CloseAll: Registration._close,
-    m.Release: Registration._release, m.HandOff: Registration._hand_off, m.TakeBack: Registration._take_back,
+    m.Release: Registration._release, m.Yield: Registration._hand_off, m.TakeBack: Registration._take_back,
     m.RegisterAgain: Registration._register_again,
     m.KubeletCreated: Registration._kubelet_created, m.KubeletGone: Registration._kubelet_gone,
     m.SocketDeleted: Registration._socket_deleted, m.Nudge: Registration._nudge,

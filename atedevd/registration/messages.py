@@ -2,7 +2,7 @@
 
 Events go in through `Registration.handle(now, event)`, actions come out of
 `Registration.take()`, and the performer carries each action out by its type
-(`atedevd/performer.py`; the simulation's fakes sit beneath that performer).
+(`atedevd/glue/performer.py`; the simulation's fakes sit beneath that performer).
 Every enum here is a bounded set: the metrics' labels are their values, so a
 reworded log line can never change a series.
 """
@@ -22,8 +22,8 @@ class State(enum.Enum):
     REGISTERING = "registering"  # a socket being put in place, or Register in flight
     VERIFYING = "verifying"  # Register returned OK; waiting for kubelet's ListAndWatch
     REGISTERED = "registered"  # kubelet streams our devices (and counts them, where we can see)
-    HANDING_OFF = "handing-off"  # an upgrade: streams ended for the successor, waiting for kubelet to let go
-    HANDED_OFF = "handed-off"  # kubelet let go: the successor registers (we take it back if it fails)
+    YIELDING = "yielding"  # an upgrade: streams ended for the successor, waiting for kubelet to let go
+    YIELDED = "yielded"  # kubelet let go: the successor registers (we take it back if it fails)
     STOPPING = "stopping"  # SIGTERM: streams ended, waiting for kubelet to let go
     STOPPED = "stopped"
 
@@ -39,7 +39,7 @@ class Why(enum.Enum):
     CONFIG_CHANGED = "config-changed"
     NOT_WATCHED = "not-watched"
     NOT_COUNTED = "not-counted"
-    UPGRADE = "upgrade"  # a successor's first registration, after its predecessor (atedevd/handoff.py)
+    UPGRADE = "upgrade"  # a successor's first registration, after its predecessor (atedevd/upgrade/machines.py)
     TAKEN_BACK = "taken-back"  # the successor failed: its predecessor registers again
     RETRY = "retry"  # the attempt before failed (its error is the tally's `last_error`)
 
@@ -87,7 +87,7 @@ class Timer(enum.Enum):
     RETRY = "retry"  # register again, or send the refused Register again
     STANDBY = "standby"  # bind the next standby socket
     SERVE = "serve"  # binding failed: try serving again
-    HANDOVER = "handover"  # the next step of waiting for kubelet to let go
+    LET_GO = "let-go"  # the next step of waiting for kubelet to let go
     VERIFY = "verify"  # kubelet's ListAndWatch should have opened by now
     CHECK = "check"  # ask pod-resources whether kubelet counts our devices
     ASK = "ask"  # pod-resources refused a question for its rate limit: ask it again
@@ -107,19 +107,19 @@ class Action(Record):
 
 class Serve(Event):
     """The device is advertised and the plugin directory exists. `kubelet_at`: when the
-    kubelet.sock there now appeared, if one is there. `held`: a successor's, bound but not
+    kubelet.sock there now appeared, if one is there. `on_hold`: a successor's, bound but not
     registered until `Release` (its predecessor still serves)."""
 
     kubelet_up: bool
     kubelet_at: Optional[float] = None
-    held: bool = False
+    on_hold: bool = False
 
 
 class Release(Event):
     """A successor's: its predecessor let go (or registers beside it): register now."""
 
 
-class HandOff(Event):
+class Yield(Event):
     """A predecessor's: a successor is ready; end our streams, wait until kubelet let go."""
 
 
@@ -156,11 +156,11 @@ class Reconfigure(Event):
 
 class Stop(Event):
     """SIGTERM: end our streams and wait until kubelet has let go of them (bounded).
-    `handed_over`: the exit after an upgrade, our successor registered: what kubelet lists
+    `replaced`: the exit after an upgrade, our successor registered: what kubelet lists
     is its, and nothing of ours can undo its registration (kubelet had let go of us, or
     tracks endpoints per socket), so only a Register in flight is waited for."""
 
-    handed_over: bool = False
+    replaced: bool = False
 
 
 class CloseAll(Event):

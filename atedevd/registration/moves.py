@@ -5,7 +5,7 @@ A registration begun (register), a Register placed and sent, kubelet's stream se
 kubelet knew and hands it over (attempt, hand_over), and the closing of it all.
 Each move is checked against `TRANSITIONS`; `Moves` also holds what every move
 needs: what is advertised, what is known of kubelet, and the parts
-(`SocketBook`, `Attempts`, `Handover`, `Questions`, `CountCheck`, `Tally`).
+(`SocketBook`, `Attempts`, `LetGo`, `Questions`, `CountCheck`, `Tally`).
 `Registration` (machine.py) decides, from each event and timer, which move to make.
 """
 
@@ -15,7 +15,7 @@ from typing import Optional, Set, Tuple, Type, Union
 from atedevd.registration import messages as m
 from atedevd.registration.attempts import SLOW_RETRY_S, Attempts
 from atedevd.registration.count_check import CountCheck
-from atedevd.registration.handover import Handover, Purpose, Verdict
+from atedevd.registration.letgo import LetGo, Purpose, Verdict
 from atedevd.registration.messages import Listing, State, Timer, Why
 from atedevd.registration.questions import Question, Questions
 from atedevd.registration.report import Tally
@@ -28,9 +28,9 @@ VERIFY_S = 5.0  # Register returned OK: kubelet's ListAndWatch must open by then
 SERVED = (State.WAITING, State.LETTING_GO, State.REGISTERING, State.VERIFYING, State.REGISTERED)
 STREAMING = (State.VERIFYING, State.REGISTERED)
 IDLE = (State.UNSERVED, State.STOPPING, State.STOPPED)
-HANDED = (State.HANDING_OFF, State.HANDED_OFF)  # a predecessor's, for its successor
-# The states in which the Handover waits for kubelet to let go.
-LETTING = (State.LETTING_GO, State.STOPPING, State.HANDING_OFF)
+YIELD_STATES = (State.YIELDING, State.YIELDED)  # a predecessor's, for its successor
+# The states in which the LetGo waits for kubelet to let go.
+LETTING = (State.LETTING_GO, State.STOPPING, State.YIELDING)
 
 # Every move the machine makes, and on what. `Moves.move` refuses any other.
 TRANSITIONS = (
@@ -51,11 +51,11 @@ TRANSITIONS = (
     (State.REGISTERED, State.LETTING_GO, "the stream ended, the socket was deleted, the configuration changed, not counted"),
     (State.REGISTERED, State.REGISTERING, "kubelet restarted: nothing to hand over"),
     (State.REGISTERED, State.WAITING, "a young stream ended (back off), or kubelet is down"),
-    *((s, State.HANDING_OFF, "an upgrade: the successor is ready, our streams end") for s in SERVED),
-    (State.HANDING_OFF, State.HANDED_OFF, "kubelet let go of our streams: the successor registers"),
-    *((s, State.WAITING, "the successor failed: we register again") for s in HANDED),
-    *((s, State.UNSERVED, "the plugin directory is gone, or a socket cannot be served") for s in (*SERVED, *HANDED)),
-    *((s, State.STOPPING, "SIGTERM, or the successor is main") for s in (*SERVED, *HANDED)),
+    *((s, State.YIELDING, "an upgrade: the successor is ready, our streams end") for s in SERVED),
+    (State.YIELDING, State.YIELDED, "kubelet let go of our streams: the successor registers"),
+    *((s, State.WAITING, "the successor failed: we register again") for s in YIELD_STATES),
+    *((s, State.UNSERVED, "the plugin directory is gone, or a socket cannot be served") for s in (*SERVED, *YIELD_STATES)),
+    *((s, State.STOPPING, "SIGTERM, or the successor is main") for s in (*SERVED, *YIELD_STATES)),
     (State.UNSERVED, State.STOPPED, "SIGTERM while nothing is served"),
     (State.STOPPING, State.STOPPED, "kubelet let go of our streams (or the wait's limit passed)"),
 )
@@ -87,7 +87,7 @@ class Moves:
         self.kubelet_up = False
         self.kubelet_at: Optional[float] = None  # when the newest kubelet.sock appeared
         self.why = Why.FIRST  # why the registration under way was begun
-        self.held = False  # a successor's: serve, but register only once released
+        self.on_hold = False  # a successor's: serve, but register only once released
         self.first_why = Why.FIRST  # why the first registration is made
         self.serve_at: Optional[float] = None  # serving failed: try again then
         self.actions: list = []
@@ -95,7 +95,7 @@ class Moves:
         self.book = SocketBook(self.actions)
         self.tally = Tally(name, self.actions)
         self.attempts = Attempts(self.actions, cids, self.book, self.tally)
-        self.handover = Handover(name, self.book, self.actions, connections_visible)
+        self.letgo = LetGo(name, self.book, self.actions, connections_visible)
         self.questions = Questions(self.actions, cids)
         self.check = CountCheck(name, self.actions)
 
@@ -111,12 +111,12 @@ class Moves:
         """Serve, but register only once released, for `why`: a successor's until its
         predecessor says GO (an upgrade's); a predecessor's that has handed over until it is
         told to take back."""
-        self.held, self.first_why = True, why
+        self.on_hold, self.first_why = True, why
 
     def release(self) -> bool:
-        """Released from holding; whether it was held."""
-        held, self.held = self.held, False
-        return held
+        """Released from hold; whether it was on hold."""
+        was, self.on_hold = self.on_hold, False
+        return was
 
     def advertise(self, units: int, healthy_units: int) -> None:
         self.units, self.healthy_units = units, healthy_units
@@ -142,7 +142,7 @@ class Moves:
             return  # its answer decides
         if self.standby_possible and not self.book.is_bound(self.book.standby):
             return  # Bound comes back here
-        if self.held:
+        if self.on_hold:
             return  # Release comes back here
         if not self.kubelet_up:
             self.waiting(now, "kubelet.sock does not exist yet")
@@ -156,14 +156,14 @@ class Moves:
         if e.listing is Listing.LISTED and e.devices > 0:  # an earlier instance's teardown is pending
             self.move(State.LETTING_GO, now)
             self.why = self.first_why
-            self.handover.begin_earlier_instance(now, e.devices)
+            self.letgo.begin_earlier_instance(now, e.devices)
             return
         self.try_start(now)
 
     def attempt(self, now: float, why: Why, wait: bool = True) -> None:
         """Register on a fresh socket. First the socket kubelet knew retires and, unless
         kubelet restarted (`wait` False), kubelet is given time to let go of it."""
-        if self.held:
+        if self.on_hold:
             return  # an upgrade's successor, or a predecessor that handed over: `Release` or `TakeBack` begins it
         if self.attempts.call is not None or self.book.placing is not None:
             self.attempts.defer(why)  # one Register in flight per resource
@@ -185,42 +185,42 @@ class Moves:
         if wait and self.book.known_retiring():
             self.move(State.LETTING_GO, now)
             self.why = why
-            self.hand_over(now, Purpose.REGISTER, streaming)
+            self.begin_let_go(now, Purpose.REGISTER, streaming)
             return
         self.book.end(self.book.retiring)
         self.register(now, why)
 
-    def hand_over(self, now: float, purpose: Purpose, streaming: bool) -> None:
+    def begin_let_go(self, now: float, purpose: Purpose, streaming: bool) -> None:
         self.questions.cancel()  # an answer to an earlier wait would be read as this one's
-        self.after_handover(now, self.handover.begin(now, purpose, streaming, self.healthy_units > 0, self.questions.served))
+        self.after_let_go(now, self.letgo.begin(now, purpose, streaming, self.healthy_units > 0, self.questions.served))
 
-    def after_handover(self, now: float, verdict: Verdict) -> None:
+    def after_let_go(self, now: float, verdict: Verdict) -> None:
         if verdict is Verdict.WAIT:
             return
         if verdict is Verdict.ASK:
-            self.questions.ask(Question.HANDOVER)
+            self.questions.ask(Question.LET_GO)
         elif verdict is Verdict.KUBELET_DOWN:
             self.book.close_retiring()
             self.waiting(now, "kubelet is not accepting connections")
             self.attempts.later(now + SLOW_RETRY_S)
-        elif self.handover.purpose is not Purpose.REGISTER:
-            if self.attempts.call is None or not self.handover.await_call(now):  # Register's outcome starts it again
-                if self.handover.purpose is Purpose.STOP:
+        elif self.letgo.purpose is not Purpose.REGISTER:
+            if self.attempts.call is None or not self.letgo.await_call(now):  # Register's outcome starts it again
+                if self.letgo.purpose is Purpose.STOP:
                     self.finish_stop(now)
                 else:
-                    self.handed_off(now)
+                    self.yielded(now)
         else:
             self.book.close_retiring()
             self.register(now, self.why)
 
-    def handed_off(self, now: float) -> None:
+    def yielded(self, now: float) -> None:
         """kubelet let go of our streams: our old sockets go; the standby stays, for a take-back."""
-        self.handover.cancel()
+        self.letgo.cancel()
         self.book.close_retiring()
-        self.move(State.HANDED_OFF, now)
+        self.move(State.YIELDED, now)
 
     def wind_down(self, now: float, state: State) -> bool:
-        """A stop (STOPPING) or a hand-off (HANDING_OFF): nothing more is begun and the current
+        """A stop (STOPPING) or a hand-off (YIELDING): nothing more is begun and the current
         socket retires; whether kubelet was streaming from it. A hand-off keeps the standby
         and its timers: if the successor fails, we register again on it."""
         self.questions.cancel()
@@ -240,7 +240,7 @@ class Moves:
         """The successor failed: as a start after an earlier instance. It may have registered
         before it failed, and kubelet (<= 1.36) would tear down by name whatever we register
         before it let go of the successor's endpoint; what kubelet lists says when."""
-        self.handover.cancel()
+        self.letgo.cancel()
         self.questions.cancel()
         self.book.close_retiring()  # (handing off, a Register of ours in flight: kubelet's let go shows below)
         self.move(State.WAITING, now)
@@ -292,7 +292,7 @@ class Moves:
     def stop_timers(self) -> None:
         """Every timer stops but serving's and the warning's: what a new registration would set anew."""
         self.attempts.clear()
-        self.handover.cancel()
+        self.letgo.cancel()
         self.check.stop()
 
     def close_all(self) -> None:
@@ -300,7 +300,7 @@ class Moves:
         self.attempts.stop()
         self.questions.cancel()
         self.book.close_all()
-        self.handover.cancel()
+        self.letgo.cancel()
         self.check.stop()
         self.book.cancel_timer()
         self.tally.cancel_timer()

@@ -3,7 +3,7 @@ show of the API itself (served or not): no I/O.
 
 Three parts of the registration ask the same question, how many of our devices
 kubelet lists, for three reasons: at start (is an earlier instance's teardown
-pending?), the count check, and the handover. One call is in flight at a time;
+pending?), the count check, and the let-go wait. One call is in flight at a time;
 its answer goes to whoever asked, and a question asked anew cancels the last. A
 question kubelet's rate limit refused is no answer: it is asked again AGAIN_S later.
 """
@@ -12,7 +12,7 @@ import enum
 import logging
 from typing import Iterator, Optional
 
-from atedevd.registration import handover
+from atedevd.registration import letgo
 from atedevd.registration.messages import AskPodResources, CancelCall, Listed, Listing, Say
 
 AGAIN_S = 0.1  # kubelet's rate limit refused the question: ask it again this much later
@@ -22,7 +22,7 @@ class Question(enum.Enum):
     NONE = "none"  # nothing asked
     START = "start"  # at start: is an earlier instance's teardown pending?
     CHECK = "check"  # the CountCheck's: does kubelet count our devices?
-    HANDOVER = "handover"  # the Handover's: has kubelet let go of our old socket?
+    LET_GO = "let-go"  # the LetGo's: has kubelet let go of our old socket?
 
 
 class Questions:
@@ -78,4 +78,4 @@ class Questions:
         if served:
             self._out.append(Say(logging.INFO, "pod-resources", "kubelet's pod-resources API is served: it cross-checks that kubelet counts our devices, and shows when kubelet has let go of an old socket", "pod-resources-served"))
         else:
-            self._out.append(Say(logging.INFO, "pod-resources", f"kubelet's pod-resources API is not served: nothing cross-checks that kubelet counts our devices, and kubelet is given a fixed {handover.FIXED_WAIT_S * 1000:.0f} ms to let go of an old socket", "pod-resources-absent"))
+            self._out.append(Say(logging.INFO, "pod-resources", f"kubelet's pod-resources API is not served: nothing cross-checks that kubelet counts our devices, and kubelet is given a fixed {letgo.FIXED_WAIT_S * 1000:.0f} ms to let go of an old socket", "pod-resources-absent"))

@@ -1,6 +1,6 @@
 """Which sockets of one resource exist, and what each one is for: no I/O.
 
-Every registration names a socket of its own (`atedevd/sockets.py` says why).
+Every registration names a socket of its own (`atedevd/kubelet/sockets.py` says why).
 One waits, already serving, in the standby directory; one is being put in place
 for the next Register; one is current (named in the last Register); old ones
 retire until kubelet has let go of them. A socket's record goes when the socket

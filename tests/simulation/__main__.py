@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from atedevd.registration import TRANSITIONS
+from atedevd.registration.moves import TRANSITIONS
 from tests.simulation.scenarios import MODES, SCENARIOS, run_matrix, run_round
 
 

@@ -1,4 +1,4 @@
-"""The simulation's host: atedevd/host.py's methods, against the world's models.
+"""The simulation's host: atedevd/daemon/host.py's methods, against the world's models.
 
 The daemon in the simulation is atedevd's own `Node`, `Resource`, `Performer`
 and registration machine; this is all that is faked beneath them. The world's
@@ -13,8 +13,8 @@ import os
 from functools import partial
 from typing import Callable, List, Optional, Tuple
 
-from atedevd import sockets
-from atedevd.plugin import StreamEvent
+from atedevd.kubelet import sockets
+from atedevd.kubelet.plugin import StreamEvent
 from atedevd.registration.messages import Listing, Outcome
 
 PLUGIN_DIR = "/sim/device-plugins"
@@ -116,7 +116,7 @@ class SimHost:
         def answer():
             if not self.d.alive:
                 return
-            got = self.w.kubelet.allocatable(self.d.node.resources)
+            got = self.w.kubelet.allocatable(self.d.plugins.resources)
             if got == "absent":
                 reply = (Listing.ABSENT, {}, "unimplemented")
             elif got == "refused":
@@ -168,7 +168,7 @@ class SimServer:
         self._primary = False
         self.watchers: set = set()  # who counted its connections and waits for a hang-up
 
-    # the performer's side (atedevd/plugin.py's PluginServer)
+    # the performer's side (atedevd/kubelet/plugin.py's PluginServer)
     def start(self) -> None:
         self.w.fs.bind(self, standby=os.path.dirname(self.bind_path) == STANDBY)
         self.serving = True

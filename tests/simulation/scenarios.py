@@ -16,9 +16,9 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import inotify.constants as ic
 
-from atedevd.registration import handover
+from atedevd.daemon.watch import DirEvent
+from atedevd.registration import letgo
 from atedevd.registration.messages import State
-from atedevd.watch import DirEvent
 from tests.simulation.world import PATTERN_RESOURCE, RESOURCE, UNITS, World, plug, unplug
 
 MODES = ("1.32", "current")
@@ -121,7 +121,7 @@ def unit_unplugged_and_back(w: World) -> None:
                              for _ in before if accepted() != before[0]])
 
 
-def upgrade_handover(w: World) -> None:
+def upgrade(w: World) -> None:
     """An upgrade handed to a warm successor: it registers once kubelet let go of us (kubelet
     1.32), or beside us (the current kubelet, told kubelet_endpoints = "per-socket")."""
     first = w.daemon
@@ -243,7 +243,7 @@ SCENARIOS: Dict[str, Callable[[World], None]] = {
     "inotify-queue-overflow": queue_overflow,
     "kubelet-and-daemon-restart": kubelet_restart_during_daemon_restart,
     "unit-unplugged-and-back": unit_unplugged_and_back,
-    "upgrade-handover": upgrade_handover,
+    "upgrade": upgrade,
     "upgrade-successor-killed": upgrade_successor_killed,
     "upgrade-disturbed": upgrade_disturbed,
     "plugin-dir-removed": plugin_dir_removed,
@@ -256,7 +256,7 @@ UDEV = {"udev-storm"}  # scenarios whose world has udev's dev root and the overl
 # stake (reloads, hot-plug, upgrades, a daemon stopped or killed). The others run the default
 # configuration, CDI off, which the simulation covers so too.
 CDI = {"sighup-changed", "sighup-unchanged", "sighup-resource-removed-and-back", "unit-unplugged-and-back", "udev-storm",
-       "upgrade-handover", "upgrade-successor-killed", "upgrade-disturbed", "daemon-kill-9-restart",
+       "upgrade", "upgrade-successor-killed", "upgrade-disturbed", "daemon-kill-9-restart",
        "daemon-sigterm-restart", "kubelet-and-daemon-restart"}
 
 
@@ -268,7 +268,7 @@ def end_state(w: World) -> List[str]:
     if w.udev is None:
         expected = {RESOURCE: w.count, PATTERN_RESOURCE: UNITS}
     else:  # what the daemon serves now (its nodes change): kubelet must count all it has Healthy
-        expected = {n: r.snapshot.healthy_units for n, r in d.node.resources.items() if r.advertised}
+        expected = {n: r.snapshot.healthy_units for n, r in d.plugins.resources.items() if r.advertised}
     for resource, count in expected.items():
         if d.state(resource) is not State.REGISTERED:
             problems.append(f"{resource}: the daemon is {d.state(resource).value}, not registered")
@@ -296,7 +296,7 @@ def run_rounds(first: int, count: int, mode: str, scenario: str, max_delay: floa
     not failed on: the next begins cold). Returns the rounds, every (from, to) move a
     registration machine made, and with `keep` the history of every world."""
     if fixed_wait is not None:
-        handover.FIXED_WAIT_S = fixed_wait
+        letgo.FIXED_WAIT_S = fixed_wait
     rounds: List[Round] = []
     taken: set = set()
     history: List[str] = []

@@ -18,8 +18,8 @@ from typing import List, Optional, Set
 import inotify.constants as ic
 
 from atedevd.config import Device
-from atedevd.invariants import observe_disk
-from atedevd.watch import DirEvent
+from atedevd.daemon.watch import DirEvent
+from atedevd.devices.invariants import observe_disk
 
 # Character devices every Linux machine has, which the device policy allows (class mem) ...
 TARGETS = ("/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
@@ -95,7 +95,7 @@ class Udev:
 
     def _reload(self, toggle: bool) -> None:
         d = self.w.daemon
-        if d is None or not d.alive or d.node.stopping or d.process.upgrading is not None:
+        if d is None or not d.alive or d.plugins.stopping or d.process.upgrading is not None:
             return  # (a reload is not taken then)
         if toggle:
             name = self.w.rng.choice(sorted(_DEVICES))

@@ -1,7 +1,7 @@
 """A simulated node: a clock, kubelet's plugin directory, a kubelet model, and atedevd.
 
 atedevd here is atedevd's own code: the `Node` that the daemon's loop drives
-(atedevd/node.py: the reading of directory events, what each resource is told,
+(atedevd/glue/plugin_dir.py: the reading of directory events, what each resource is told,
 the timers, the reconciling after every wake-up), each `Resource`, its
 `Performer` and its registration machine, unchanged. Only the I/O beneath them
 is simulated (tests/simulation/host.py): Register and pod-resources calls,
@@ -20,14 +20,18 @@ from typing import Callable, Dict, List, Optional
 
 import inotify.constants as ic
 
-from atedevd import cdi, cdi_files, cdi_keeper, metrics, policy
+from atedevd.cdi import files as cdi_files
+from atedevd.cdi import keeper as cdi_keeper
+from atedevd.cdi import names as cdi
 from atedevd.config import Config, Device
-from atedevd.handoff import BecomeMain, Exit, MainPid, Message, Send, StopSuccessor, UpgradePhase
-from atedevd.invariants import Invariants
-from atedevd.node import Node
-from atedevd.process import Process, Ready, ServingBegan, StartWork, Status, WatchDirectories, WriteMetrics
+from atedevd.daemon.watch import DirEvent
+from atedevd.devices import policy
+from atedevd.devices.invariants import Invariants
+from atedevd.glue import metrics
+from atedevd.glue.plugin_dir import PluginDir
+from atedevd.glue.process import Process, Ready, ServingBegan, StartWork, Status, WatchDirectories, WriteMetrics
 from atedevd.registration.messages import Say, State
-from atedevd.watch import DirEvent
+from atedevd.upgrade.machines import BecomeMain, Exit, MainPid, Message, Send, StopSuccessor, UpgradePhase
 from tests.simulation.host import KUBELET_SOCK, PLUGIN_DIR, SimHost, SimServer
 from tests.simulation.kubelet import KubeletModel
 from tests.simulation.udev import Udev
@@ -115,7 +119,7 @@ class World:
         self.said: List[tuple] = []  # (time, level, kind, text) of every daemon that ran
         self.events = 0
         self.trace = False  # when replaying: every action and kubelet step goes into `said`
-        # CDI specs (atedevd/cdi_keeper.py), in a directory of the round's own: every name a
+        # CDI specs (atedevd/cdi/keeper.py), in a directory of the round's own: every name a
         # daemon could have answered Allocate with resolves there after every event, and a
         # killed daemon's until the next start has written its own.
         self.cdi = cdi  # `[daemon] cdi` for every daemon of the round (off: the default configuration)
@@ -130,7 +134,7 @@ class World:
 
     def moves_taken(self) -> set:
         """Every (from, to) move any registration machine of any process made."""
-        return {(a, b) for d in self.ever for r in d.node.resources.values() for a, b, _ in r.machine.moves.taken}
+        return {(a, b) for d in self.ever for r in d.plugins.resources.values() for a, b, _ in r.machine.moves.taken}
 
     def note(self, who: str, text: str) -> None:
         if self.trace:
@@ -177,7 +181,7 @@ class World:
           some daemon's table granted that very unit, and no node granted under another name now."""
         written = (len(self._gone_owed), tuple((d.n, tuple((k._written, len(k.book.ever_answerable)) for k in
                                                            d.host.cdi.keepers.values())) for d in self.processes))
-        seen = (written, tuple((d.n, tuple(r.snapshot.version for r in d.node.all_resources())) for d in self.processes))
+        seen = (written, tuple((d.n, tuple(r.snapshot.version for r in d.plugins.all_resources())) for d in self.processes))
         if seen == self._cdi_seen:  # (a test reads the keepers' fields)
             return
         if self._cdi_seen is None or written != self._cdi_seen[0]:
@@ -186,7 +190,7 @@ class World:
         granted: Dict[str, str] = {}  # numbers "M:m" -> the qualified name of a unit granted them now (a pattern's)
         names_now = set()
         for d in self.processes:
-            for r in d.node.all_resources():
+            for r in d.plugins.all_resources():
                 for key, nodes in r.snapshot.grants().items():
                     name = cdi.qualified(r.name, cdi.shared_name(r.name) if key is None else cdi.unit_name(key))
                     numbers = f"{nodes[0].major}:{nodes[0].minor}"
@@ -218,7 +222,7 @@ class World:
     def daemon_gone(self, d: "AtedevdProcess") -> None:
         """A daemon stopped or was killed: its names stay owed until the next start (not after an
         upgrade's hand-over: its successor keeps them)."""
-        if not d.handed_over:
+        if not d.replaced:
             self._gone_owed |= d.host.cdi.owed()
         self.check_cdi()
 
@@ -377,7 +381,7 @@ class Directory:
 
 
 class AtedevdProcess:
-    """One atedevd process: the daemon's own `Process` (atedevd/process.py: the glue its loop
+    """One atedevd process: the daemon's own `Process` (atedevd/glue/process.py: the glue its loop
     runs) over its own `Node`, on the simulated host. What is left here is the process's I/O,
     simulated: the clock's wake-ups, the upgrade's channel, the exit, and what each of the
     process's actions does (`_DO`, held to `process.ACTIONS` as the daemon's table is)."""
@@ -391,11 +395,11 @@ class AtedevdProcess:
         world.ever.append(self)
         self.host = SimHost(world, self)
         self.host.cdi = cdi_keeper.Specs(self.host.say, sharing=parent is not None)
-        node = Node(PLUGIN_DIR, world.dev_root, "/sys", self.host, f"d{n}", lambda path, error: False)
+        node = PluginDir(PLUGIN_DIR, world.dev_root, "/sys", self.host, f"d{n}", lambda path, error: False)
         if parent is not None:
-            node.held = True
-            node.inherited = frozenset(r.name for r in parent.node.resources.values() if r.advertised)
-        self.node = node
+            node.on_hold = True
+            node.inherited = frozenset(r.name for r in parent.plugins.resources.values() if r.advertised)
+        self.plugins = node
         self.process = Process(node, successor=parent is not None)
         self.on_exit = None
         self._wake_at: Optional[float] = None
@@ -403,15 +407,15 @@ class AtedevdProcess:
         self.pattern = parent.pattern if parent is not None else True  # the pattern resource is configured
         self.status = ""  # STATUS=, as it would be sent
         self.metrics_due = 0  # times the metrics would have been written
-        self.handed_over = False
+        self.replaced = False
         self.udev_pending = 0  # batches of device events on their way to it (the udev model's)
-        self.invariants = Invariants()  # what kubelet is told, held against the node (atedevd/invariants.py)
+        self.invariants = Invariants()  # what kubelet is told, held against the node (atedevd/devices/invariants.py)
         self._judged: Optional[tuple] = None
         self.started_work = False
 
     @property
     def resource(self):
-        return self.node.resources[RESOURCE]
+        return self.plugins.resources[RESOURCE]
 
     def devices(self, count: int) -> List[Device]:
         shared = Device(RESOURCE, "/dev/null", count)
@@ -419,7 +423,7 @@ class AtedevdProcess:
         return devices + (self.w.udev.devices(self.pattern) if self.w.udev is not None else [])
 
     def servers(self) -> List[SimServer]:
-        return [s for r in self.node.all_resources() for s in r.performer.servers.values()]
+        return [s for r in self.plugins.all_resources() for s in r.performer.servers.values()]
 
     # --- the process: what Daemon.run, its signals and its loop do ---------------------------------
 
@@ -428,41 +432,41 @@ class AtedevdProcess:
                       devices=tuple(self.devices(count)))
 
     def start(self) -> None:
-        self.node.kubelet.refresh(created=False, events_lost=True)
+        self.plugins.kubelet.refresh(created=False, events_lost=True)
         self.host.cdi.configure(self.config(self.count))  # (the daemon's _apply: before a resource's first snapshot)
-        self.node.apply(self.devices(self.count), self.w.dev_root, "/sys", self.w.now)
-        self.node.reconcile(self.w.now)
+        self.plugins.apply(self.devices(self.count), self.w.dev_root, "/sys", self.w.now)
+        self.plugins.reconcile(self.w.now)
         self.process.started(self.w.now)
         self.status = self.process.status()  # READY=1
         self.woke()
 
     def sigterm(self) -> None:
-        if self.alive and not self.node.stopping:
+        if self.alive and not self.plugins.stopping:
             self.process.stop(self.w.now)
             self.woke()
 
     def reload(self, count: int, pattern: bool = True) -> None:
         """SIGHUP: a changed resource is served anew; an unchanged one is not touched; one no
         longer configured (`pattern` False: the pattern resource) is closed."""
-        if not self.alive or self.node.stopping or self.process.upgrading is not None:
+        if not self.alive or self.plugins.stopping or self.process.upgrading is not None:
             return
         self.count, self.pattern = count, pattern
-        self.node.accept_nodes()
+        self.plugins.accept_nodes()
         self.host.cdi.configure(self.config(count))
-        self.node.apply(self.devices(count), self.w.dev_root, "/sys", self.w.now)
-        self.node.reconcile(self.w.now)
+        self.plugins.apply(self.devices(count), self.w.dev_root, "/sys", self.w.now)
+        self.plugins.reconcile(self.w.now)
         self.woke()
 
     def upgrade(self, overlap: bool) -> None:
         """A reload that finds the installed atedevd is another: start it, hand over to it."""
-        if not self.alive or self.node.stopping or self.process.upgrading is not None:
+        if not self.alive or self.plugins.stopping or self.process.upgrading is not None:
             return
         self.process.upgrade(self.w.now, overlap)
         self.w.after(self.w.delay(), self._spawn)
 
     def _spawn(self) -> None:
         p = self.process.predecessor  # (the daemon starts it at once: nothing can come between)
-        if self.alive and not self.node.stopping and p is not None and p.phase is UpgradePhase.STARTING:
+        if self.alive and not self.plugins.stopping and p is not None and p.phase is UpgradePhase.STARTING:
             self.child = self.w.start_daemon(self.count, parent=self)
 
     def tell(self, message: Optional[Message]) -> None:
@@ -488,7 +492,7 @@ class AtedevdProcess:
                 other.tell(None)  # its end of the channel closes
         # A registration in progress goes on in kubelet. Unless kubelet already listed its
         # devices, its teardown will not show in pod-resources: no later process can see it.
-        for r in self.node.all_resources():
+        for r in self.plugins.all_resources():
             call, book = r.machine.attempts.call, r.machine.book  # (the machine's parts, as a test reads them)
             unseen = ([call.sid] if call is not None else []) + \
                 ([book.current] if book.current is not None and not book.listed_seen else [])
@@ -501,7 +505,7 @@ class AtedevdProcess:
 
     def fs_events(self, batch: List[DirEvent]) -> None:
         if self.alive:
-            self.node.on_directory_events(batch, self.w.now)
+            self.plugins.on_directory_events(batch, self.w.now)
             self.woke()
 
     def device_events(self, batch: List[DirEvent]) -> None:
@@ -524,13 +528,13 @@ class AtedevdProcess:
         """The runtime invariants, after every event it takes, while no device event is still
         on its way to it (until inotify tells, a node gone is rightly still served): looked at
         again only when what it publishes or the nodes changed since."""
-        if not self.alive or self.node.stopping or self.udev_pending:
+        if not self.alive or self.plugins.stopping or self.udev_pending:
             return
-        seen = (self.w.udev.changes, tuple((n, r.snapshot.version) for n, r in self.node.resources.items()))
+        seen = (self.w.udev.changes, tuple((n, r.snapshot.version) for n, r in self.plugins.resources.items()))
         if seen == self._judged:
             return
         self._judged = seen
-        for problem in self.invariants.check(self.node, self.w.udev.observe):
+        for problem in self.invariants.check(self.plugins, self.w.udev.observe):
             if len(self.w.invariant_problems) < 3:
                 self.w.invariant_problems.append(f"at {self.w.now:.4f}, daemon#{self.n}: {problem}")
 
@@ -538,7 +542,7 @@ class AtedevdProcess:
         for a in self.process.wake(self.w.now):
             _DO[type(a)](self, a)
         if self.process.stopped:
-            self.node.close(self.w.now)  # (its CDI specs stay)
+            self.plugins.close(self.w.now)  # (its CDI specs stay)
             self.alive = False
             self.w.processes.remove(self)
             self.w.daemon_gone(self)
@@ -580,7 +584,7 @@ class AtedevdProcess:
 
     def metrics_now(self) -> str:
         """atedevd.prom, as the daemon would write it now."""
-        return metrics.render(_info(), self.node.reports(), polling=False, reload_ok=self.process.reload_error is None,
+        return metrics.render(_info(), self.plugins.reports(), polling=False, reload_ok=self.process.reload_error is None,
                               wall_offset=0.0)
 
     def _serving_began(self, a: ServingBegan) -> None:
@@ -605,7 +609,7 @@ class AtedevdProcess:
         self.w.daemon = self.child
 
     def _exit(self, a: Exit) -> None:
-        self.handed_over = True  # the node's part (its streams end, no let-go wait) is the glue's; the exit follows
+        self.replaced = True  # the node's part (its streams end, no let-go wait) is the glue's; the exit follows
 
     def _become_main(self, a: BecomeMain) -> None:
         pass  # systemd's main process: the world's `daemon` already (its predecessor said MainPid)
@@ -620,20 +624,20 @@ class AtedevdProcess:
         count): no upgrade, no deferred start work, no retry, wait, question or warning."""
         p = self.process
         if p.start_work_due is not None or p.predecessor is not None or p.successor is not None \
-                or self.node.pod_resources.deadline is not None:
+                or self.plugins.pod_resources.deadline is not None:
             return False
-        for r in self.node.all_resources():
+        for r in self.plugins.all_resources():
             m = r.machine  # (its parts, as a test reads them)
             if any(t is not None for t in (m.attempts.deadline, m.attempts.verify_by, m.book.deadline, m.moves.serve_at,
-                                           m.handover.deadline, m.questions.deadline, m.tally.deadline)):
+                                           m.letgo.deadline, m.questions.deadline, m.tally.deadline)):
                 return False
         return True
 
     def state(self, resource: str = RESOURCE) -> State:
-        return self.node.resources[resource].state
+        return self.plugins.resources[resource].state
 
     def current_socket(self, resource: str = RESOURCE) -> Optional[str]:
-        r = self.node.resources[resource]
+        r = self.plugins.resources[resource]
         held = r.machine.held_sockets()
         current = r.machine.book.current
         return r.performer.socket_name(current) if current is not None and current in held else None

@@ -5,7 +5,7 @@ calls, stream endings and journal lines. It never calls the machine: an outcome
 known at once (a socket bound, a Register refused because nobody listens) is
 returned, and `Resource.handle` feeds it back in; one that comes later (a call's
 answer, kubelet's stream opening or ending, a hang-up) goes to `deliver`, which the
-host runs on the loop. All of it goes through a `Host` (atedevd/host.py: sockets,
+host runs on the loop. All of it goes through a `Host` (atedevd/daemon/host.py: sockets,
 gRPC calls, the clock, the journal); the simulation (tests/simulation) runs this
 same performer on a host of its own, so only the I/O beneath it is ever faked.
 It decides nothing: `atedevd/registration/` does.
@@ -16,14 +16,14 @@ import os
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Set
 
-from atedevd import sockets
-from atedevd.plugin import StreamEvent
+from atedevd.kubelet import sockets
+from atedevd.kubelet.plugin import StreamEvent
 from atedevd.registration import messages as m
 from atedevd.registration.messages import Listing, Outcome
 
 if TYPE_CHECKING:
-    from atedevd.pod_resources import PodResourcesClient
-    from atedevd.seams import HostIO, PendingCall, Server
+    from atedevd.glue.seams import HostIO, PendingCall, Server
+    from atedevd.kubelet.pod_resources import PodResourcesClient
 
 # What a plugin server reports, as machine events.
 _STREAM_EVENTS = {StreamEvent.OPENED: m.StreamOpened, StreamEvent.LIST_SENT: m.ListSent, StreamEvent.ENDED: m.StreamEnded}
@@ -31,7 +31,7 @@ _STREAM_EVENTS = {StreamEvent.OPENED: m.StreamOpened, StreamEvent.LIST_SENT: m.L
 
 class Performer:
     """The sockets and calls of one resource; `owner` gives its device, snapshot,
-    stream budget and Allocate counts (atedevd/resource.py); `deliver(event)` takes
+    stream budget and Allocate counts (atedevd/glue/resource.py); `deliver(event)` takes
     what comes back later, on the loop."""
 
     def __init__(self, owner, host: "HostIO", pod_resources: "PodResourcesClient", run_id: str,
@@ -40,7 +40,7 @@ class Performer:
         self.owner = owner
         self.deliver = deliver
         self.host = host
-        self.pod_resources = pod_resources  # the daemon's one client (atedevd/pod_resources.py)
+        self.pod_resources = pod_resources  # the daemon's one client (atedevd/kubelet/pod_resources.py)
         self.plugin_dir = host.plugin_dir
         self.run_id = run_id
         self.serve_failed = serve_failed  # (path, OSError) -> True when the daemon stops because of it

@@ -1,4 +1,4 @@
-"""The I/O of an upgrade handed to a successor (the decisions are atedevd/handoff.py's).
+"""The I/O of an upgrade handed to a successor (the decisions are atedevd/upgrade/machines.py's).
 
 Is the atedevd installed on disk the one running? The package manager replaces our files
 while we run (each by a rename: a new inode), so the files' identities taken once the
@@ -21,12 +21,12 @@ import sys
 import time
 from typing import Iterable, List, Mapping, MutableMapping, Optional, Tuple
 
-from atedevd.handoff import Message
+from atedevd.upgrade.machines import Message
 
 CHANNEL_FD = "ATEDEVD_HANDOFF_FD"  # the successor's end of the channel
 LOCK_FD = "ATEDEVD_LOCK_FD"  # the instance lock, held by both
 INHERITED = "ATEDEVD_INHERITED"  # the resources the predecessor serves, comma-separated
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # atedevd/, every subpackage in it
 
 
 def fingerprint(package_dir: str = PACKAGE_DIR) -> Tuple[Tuple[str, int, int, int], ...]:

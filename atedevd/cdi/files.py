@@ -17,7 +17,8 @@ import os
 import stat
 from typing import Dict, List, Optional, Set
 
-from atedevd import cdi, trust
+from atedevd import trust
+from atedevd.cdi import names as cdi
 from atedevd.config import read_regular
 
 MAX_SPEC_BYTES = 4 << 20

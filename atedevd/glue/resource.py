@@ -5,7 +5,7 @@ their health (`node_table`: one shareable node, or a pattern's units; the
 immutable `Snapshot` its sockets serve), its registration with kubelet (`registration.Registration`, the
 decisions) and the sockets and calls that carry it out (`performer.Performer`),
 its stream budget and Allocate counts; and it hands STATUS= and the metrics one
-typed `Report`. `atedevd/node.py` tells it what happened.
+typed `Report`. `atedevd/glue/plugin_dir.py` tells it what happened.
 """
 
 import itertools
@@ -13,15 +13,17 @@ import os
 import threading
 from typing import FrozenSet, Iterator, List, Optional
 
-from atedevd import cdi_keeper, devices, sockets
+from atedevd.cdi import keeper as cdi_keeper
 from atedevd.config import Device
-from atedevd.host_mode import HostMode
-from atedevd.performer import Performer
-from atedevd.plugin import STREAMS_PER_RESOURCE, AllocateCounts, plugin_options
+from atedevd.devices import shared, snapshot
+from atedevd.devices.host_mode import HostMode
+from atedevd.glue.performer import Performer
+from atedevd.kubelet import sockets
+from atedevd.kubelet.plugin import STREAMS_PER_RESOURCE, AllocateCounts, plugin_options
 from atedevd.registration import messages as m
 from atedevd.registration.machine import Registration
-from atedevd.registration.moves import SERVED
 from atedevd.registration.messages import State, Timer
+from atedevd.registration.moves import SERVED
 from atedevd.registration.report import Report
 
 # A resource's nodes are looked at when events in their directories say one may have come,
@@ -33,15 +35,15 @@ LOOK_EVERY_S = 2.0
 
 
 def node_table(device: Device, dev_root: str, sys_root: str, claims=None):
-    """The loop's record of one resource's nodes: one shareable node (`devices.SharedTable`),
+    """The loop's record of one resource's nodes: one shareable node (`shared.SharedTable`),
     or a pattern's units (`patterns.ExclusiveTable`); both answer look(), snapshot(version),
     forget(), recheck(rdev), directories(), served(), listing(), `healthy` and `advertised`.
-    `claims` (atedevd/claims.py): the other resources' reach, so that no node is two's."""
+    `claims` (atedevd/devices/claims.py): the other resources' reach, so that no node is two's."""
     if device.pattern:
-        from atedevd import patterns  # only where some device has a pattern: a start without pays nothing
+        from atedevd.devices import patterns  # only where some device has a pattern: a start without pays nothing
 
         return patterns.ExclusiveTable(device, dev_root, sys_root, claims)
-    return devices.SharedTable(device, dev_root, sys_root, claims)
+    return shared.SharedTable(device, dev_root, sys_root, claims)
 
 
 class Resource:
@@ -174,7 +176,7 @@ class Resource:
         self.handle(now, m.Publish(units, healthy))
         return False
 
-    def _new_snapshot(self) -> devices.Snapshot:
+    def _new_snapshot(self) -> snapshot.Snapshot:
         self._version += 1
         snapshot = self.table.snapshot(self._version)
         self.cdi.publish(snapshot, self.device)  # CDI: every name it may answer is on disk first
@@ -182,8 +184,8 @@ class Resource:
 
     # --- what happened: told by the node ------------------------------------------------------
 
-    def serve(self, now: float, kubelet, held: bool = False) -> None:
-        self.handle(now, m.Serve(kubelet.serving, self._on_our_clock(now, kubelet.since) if kubelet.serving else None, held))
+    def serve(self, now: float, kubelet, on_hold: bool = False) -> None:
+        self.handle(now, m.Serve(kubelet.serving, self._on_our_clock(now, kubelet.since) if kubelet.serving else None, on_hold))
 
     def kubelet_started(self, now: float, kubelet) -> None:
         ours = any(self.performer.is_ours(sid) for sid in self.machine.held_sockets())
@@ -201,20 +203,20 @@ class Resource:
         """A wall-clock time (kubelet.sock's ctime) on the monotonic clock."""
         return now - max(0.0, self.host.wall() - wall)
 
-    # --- an upgrade (atedevd/handoff.py) ---------------------------------------------------------
+    # --- an upgrade (atedevd/upgrade/machines.py) ---------------------------------------------------------
 
     @property
-    def held_ready(self) -> bool:
+    def ready_on_hold(self) -> bool:
         """A successor's: nothing left to do before it may register (bound, or not served at all)."""
         if self.state is State.UNSERVED:
             return not self.advertised
         return self.state is State.WAITING and self.machine.standby_ready
 
     @property
-    def handed_off(self) -> bool:
+    def yielded(self) -> bool:
         """A predecessor's: kubelet let go of its streams (or it has none: served again after its
-        directory came back, but held)."""
-        return self.state not in (State.HANDING_OFF, *SERVED) or (self.state is State.WAITING and self.machine.held)
+        directory came back, but on hold)."""
+        return self.state not in (State.YIELDING, *SERVED) or (self.state is State.WAITING and self.machine.on_hold)
 
     # --- what it tells ----------------------------------------------------------------------
 

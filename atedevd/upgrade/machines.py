@@ -15,7 +15,7 @@ says why: a broken upgrade never leaves the node without the resource.
 
 `Predecessor` and `Successor` are the two machines; they exchange `Message`s over a
 channel the caller provides (a socket pair in the daemon, world events in the
-simulation), and ask for what they need done as actions, which `atedevd/process.py`
+simulation), and ask for what they need done as actions, which `atedevd/glue/process.py`
 carries to the node and to the process.
 """
 
@@ -24,7 +24,7 @@ import logging
 from typing import List, Optional, Union
 
 from atedevd.record import Record
-from atedevd.registration.messages import HandOff, RegisterAgain, Release, Say, TakeBack
+from atedevd.registration.messages import Yield, RegisterAgain, Release, Say, TakeBack
 
 READY_LIMIT_S = 30.0  # the successor imports, reads the configuration and binds its sockets by then
 LET_GO_LIMIT_S = 10.0  # kubelet lets go of our ended streams by then (the handover's own limit is 5 s)
@@ -44,14 +44,14 @@ class Message(enum.Enum):
 
 class UpgradePhase(enum.Enum):
     STARTING = "starting"  # the successor is starting (predecessor: waiting for READY)
-    LETTING_GO = "letting-go"  # predecessor: our streams ended, kubelet lets go of them
+    YIELDING = "yielding"  # predecessor: our streams ended, kubelet lets go of them
     REGISTERING = "registering"  # the successor registers (predecessor: waiting for REGISTERED)
     DONE = "done"  # the successor is main (predecessor: exit)
     FAILED = "failed"  # the successor failed: the predecessor serves on
 
 
 # --- actions ----------------------------------------------------------------------------------
-# What the node does (every resource is told) is the registration's own event: `HandOff` (end
+# What the node does (every resource is told) is the registration's own event: `Yield` (end
 # our streams, wait until kubelet let go), `TakeBack` (the successor failed: serve and register
 # as before), `RegisterAgain` (a while after taking back from a successor that died
 # registering: its Register may have reached kubelet <= 1.36 after ours, and torn ours down by
@@ -83,7 +83,7 @@ class BecomeMain(Record):
     """Successor: systemd's main process from now on (READY, STATUS, the watchdog, the metrics)."""
 
 
-UpgradeAction = Union[Send, StopSuccessor, Exit, MainPid, BecomeMain, HandOff, TakeBack, RegisterAgain, Release, Say]
+UpgradeAction = Union[Send, StopSuccessor, Exit, MainPid, BecomeMain, Yield, TakeBack, RegisterAgain, Release, Say]
 
 
 class Predecessor:
@@ -114,9 +114,9 @@ class Predecessor:
             if self.overlap:  # kubelet keeps our endpoint until the new one is there: no window
                 self._go(now)
             else:
-                self.phase, self.deadline = UpgradePhase.LETTING_GO, now + LET_GO_LIMIT_S
+                self.phase, self.deadline = UpgradePhase.YIELDING, now + LET_GO_LIMIT_S
                 self._handed_off = True
-                self.actions.append(HandOff())
+                self.actions.append(Yield())
         elif self.phase is UpgradePhase.REGISTERING and message is Message.REGISTERED:
             self.phase, self.deadline = UpgradePhase.DONE, None
             self.actions += [MainPid(), Send(Message.MAIN), Exit()]
@@ -125,7 +125,7 @@ class Predecessor:
 
     def let_go(self, now: float) -> None:
         """kubelet has let go of every stream we ended (or the handover's own limit passed)."""
-        if self.phase is UpgradePhase.LETTING_GO:
+        if self.phase is UpgradePhase.YIELDING:
             self._go(now)
 
     def exited(self, now: float, how: str) -> None:
@@ -151,7 +151,7 @@ class Predecessor:
                 self._again_at = self.deadline = now + ORPHAN_LIMIT_S
             return
         waiting = {UpgradePhase.STARTING: f"was not ready within {READY_LIMIT_S:.0f} s",
-                   UpgradePhase.LETTING_GO: f"kubelet did not let go of our streams within {LET_GO_LIMIT_S:.0f} s",
+                   UpgradePhase.YIELDING: f"kubelet did not let go of our streams within {LET_GO_LIMIT_S:.0f} s",
                    UpgradePhase.REGISTERING: f"was not registered within {REGISTER_LIMIT_S:.0f} s"}[self.phase]
         self._fail(now, waiting)
 
@@ -195,7 +195,7 @@ class Successor:
     def ready(self) -> None:
         """Every resource's socket is bound, held back from registering."""
         if self.phase is UpgradePhase.STARTING:
-            self.phase = UpgradePhase.LETTING_GO
+            self.phase = UpgradePhase.YIELDING
             self.actions.append(Send(Message.READY))
 
     def registered(self) -> None:
@@ -205,7 +205,7 @@ class Successor:
             self.actions.append(Send(Message.REGISTERED))
 
     def received(self, message: Message) -> None:
-        if message is Message.GO and self.phase is UpgradePhase.LETTING_GO:
+        if message is Message.GO and self.phase is UpgradePhase.YIELDING:
             self.phase = UpgradePhase.REGISTERING
             self.actions.append(Release())
         elif message is Message.MAIN and self.phase is UpgradePhase.DONE:
@@ -214,7 +214,7 @@ class Successor:
     def predecessor_gone(self) -> None:
         """The predecessor's channel closed before it made us main: it is gone (killed, or it
         exited); nobody else serves the resource, so register, and serve on."""
-        if self.phase in (UpgradePhase.STARTING, UpgradePhase.LETTING_GO):
+        if self.phase in (UpgradePhase.STARTING, UpgradePhase.YIELDING):
             self.phase = UpgradePhase.REGISTERING
             self.actions.append(Release())
         if self.phase is not UpgradePhase.FAILED:

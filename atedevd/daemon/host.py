@@ -1,6 +1,6 @@
 """The I/O beneath the performer and the node, on a real host.
 
-Everything `atedevd/performer.py` and `atedevd/node.py` do to the world goes
+Everything `atedevd/glue/performer.py` and `atedevd/glue/plugin_dir.py` do to the world goes
 through one `Host`: the clocks, kubelet.sock and our socket files, the plugin
 servers, the Register and pod-resources calls, the journal. The simulation
 (tests/simulation/host.py) implements the same methods against its model of
@@ -16,14 +16,14 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 
-from atedevd import sockets
-from atedevd.kubelet import KUBELET_SOCKET, AllocatableCall, RegisterCall, not_listening, pod_resources_socket
-from atedevd.plugin import PluginServer, Workers
+from atedevd.kubelet import sockets
+from atedevd.kubelet.calls import KUBELET_SOCKET, AllocatableCall, RegisterCall, not_listening, pod_resources_socket
+from atedevd.kubelet.plugin import PluginServer, Workers
 from atedevd.registration.messages import Listing, Outcome
 from atedevd.systemd import event
 
 if TYPE_CHECKING:
-    from atedevd.cdi_keeper import Specs
+    from atedevd.cdi.keeper import Specs
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class Host:
     isdir = staticmethod(os.path.isdir)
     exists = staticmethod(os.path.exists)
     listening = staticmethod(sockets.listening)  # someone accepts connections on that socket
-    cdi: Optional["Specs"] = None  # the daemon's CDI specs (atedevd/cdi_keeper.py), set by the daemon
+    cdi: Optional["Specs"] = None  # the daemon's CDI specs (atedevd/cdi/keeper.py), set by the daemon
 
     def __init__(self, plugin_dir: str, workers: Workers, post: Callable[[Callable[[], None]], None]) -> None:
         self.plugin_dir = plugin_dir

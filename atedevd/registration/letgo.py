@@ -48,7 +48,7 @@ class Phase(enum.Enum):
 class Purpose(enum.Enum):
     REGISTER = "register"  # a registration waits for it
     STOP = "stop"  # the daemon's exit waits for it
-    HAND_OFF = "hand-off"  # a successor's registration waits for it (atedevd/handoff.py)
+    YIELD = "yield"  # a successor's registration waits for it (atedevd/upgrade/machines.py)
 
 
 class Verdict(enum.Enum):
@@ -58,7 +58,7 @@ class Verdict(enum.Enum):
     KUBELET_DOWN = "kubelet-down"  # pod-resources is refused: kubelet is not serving
 
 
-class Handover:
+class LetGo:
     """One resource's wait for kubelet to let go of its retiring sockets."""
 
     def __init__(self, name: str, book: SocketBook, out: list, connections_visible: bool = True) -> None:
@@ -253,7 +253,7 @@ class Handover:
         self.book.end(self.book.retiring)
 
     def _going_on(self) -> str:
-        return {Purpose.REGISTER: "registering", Purpose.STOP: "exiting", Purpose.HAND_OFF: "handing over"}[self.purpose]
+        return {Purpose.REGISTER: "registering", Purpose.STOP: "exiting", Purpose.YIELD: "handing over"}[self.purpose]
 
     def _say(self, level: int, kind: str, text: str) -> None:
         self._out.append(Say(level, kind, text))

@@ -32,11 +32,15 @@ import stat
 import time
 from typing import Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
-from atedevd import policy, trust
+from atedevd import trust
 from atedevd.config import MAX_DEVICE_ID, Device, Pattern
-from atedevd.devices import (Change, Judgement, Memo, NodeGrant, NodeRow, NodeState, Served, Unit, UnitSnapshot,
-                             _Companions, _numbers, directories, judge, link_directories, placement, see, state_text,
-                             trust_changed, trust_stamp)
+from atedevd.devices import policy
+from atedevd.devices.judgement import (Change, Judgement, Memo, NodeState, _numbers, directories, judge,
+                                       link_directories, see, trust_changed, trust_stamp)
+from atedevd.devices.placement import placement
+from atedevd.devices.rows import NodeRow, Served, state_text
+from atedevd.devices.shared import Companions
+from atedevd.devices.snapshot import NodeGrant, Unit, UnitSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +141,11 @@ class ExclusiveTable:
         self.device, self._dev_root, self._sys_root = device, dev_root, sys_root
         self._pattern = Pattern(device.path, dev_root)
         self._skip = {p.rsplit("/", 1)[1] for p in device.companions if p.rsplit("/", 1)[0] == self._pattern.directory}
-        self._companions = _Companions(device, dev_root, sys_root, claims)
+        self._companions = Companions(device, dev_root, sys_root, claims)
         self._matches: Dict[str, _Match] = {}
         self._judge_all = True  # at first, and after a reload or a change of trust: every name judged anew
         self._claims: Dict[Tuple[int, int], str] = {}  # numbers first served -> the unit's name
-        self._registry = claims  # other resources' reach (atedevd/claims.py)
+        self._registry = claims  # other resources' reach (atedevd/devices/claims.py)
         self._ids: Dict[str, str] = claims.ids(device.resource) if claims is not None else {}  # ID -> path, this run
         self._recheck: Set[int] = set()  # st_rdev another resource reaches now, or no longer
         self._first = True

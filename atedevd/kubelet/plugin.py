@@ -18,11 +18,11 @@ from typing import Callable, Optional, Set
 
 import grpc
 
-from atedevd import lists
 from atedevd.api import device_plugin_handler, pb
 from atedevd.config import Device
-from atedevd.devices import Snapshot
-from atedevd.sockets import MAX_SOCKET_PATH
+from atedevd.devices.snapshot import Snapshot
+from atedevd.kubelet import lists
+from atedevd.kubelet.sockets import MAX_SOCKET_PATH
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Workers(futures.Executor):
 class AllocateCounts:
     """Allocate calls and failures of one resource, over all its sockets (for metrics);
     counted on gRPC threads, read by the loop. `cdi`: the resource's CDI answers
-    (atedevd/cdi_keeper.py), which its sockets share likewise."""
+    (atedevd/cdi/keeper.py), which its sockets share likewise."""
 
     def __init__(self, cdi=None) -> None:
         self._lock = threading.Lock()
@@ -169,7 +169,7 @@ class PluginServer:
         self.inode: Optional[int] = None
         # Nodes every unit brings along (VFIO: /dev/vfio/vfio), in every answer.
         self._companions = _companion_specs(device)
-        self._sent = lists.SentLists()  # what kubelet may still allocate from (atedevd/lists.py)
+        self._sent = lists.SentLists()  # what kubelet may still allocate from (atedevd/kubelet/lists.py)
 
     # --- control loop side ---------------------------------------------------
 
@@ -324,7 +324,7 @@ class PluginServer:
     def GetPreferredAllocation(self, request, context):
         """Advertised for pattern resources: units on one NUMA node where one can give them all
         (kubelet's Topology Manager aligns by the same information, when its policy asks)."""
-        from atedevd.patterns import preferred  # loaded where some device has a pattern
+        from atedevd.devices.patterns import preferred  # loaded where some device has a pattern
 
         snap = self._snapshot
         numa = snap.numa if snap is not None else (lambda i: ())

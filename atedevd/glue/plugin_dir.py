@@ -1,7 +1,7 @@
 """kubelet's plugin directory as atedevd sees it, and every resource served there.
 
-The daemon's loop (atedevd/daemon.py) and the simulation (tests/simulation)
-both drive a `Node`: the directory events the watcher reports go through
+The daemon's loop (atedevd/daemon/loop.py) and the simulation (tests/simulation)
+both drive a `PluginDir`: the directory events the watcher reports go through
 `interpret`, the one reading of what the kernel told us, and become what each
 `Resource` is told (kubelet started or went away, a socket of ours was deleted,
 a nudge); after every wake-up, `wake` runs what is due and makes what is
@@ -15,16 +15,16 @@ from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence
 
 import inotify.constants as ic
 
-from atedevd import sockets
-from atedevd.claims import Claims
 from atedevd.config import Device
-from atedevd.kubelet import KUBELET_SOCKET, KubeletView
-from atedevd.pod_resources import PodResourcesClient
+from atedevd.devices.claims import Claims
+from atedevd.glue.resource import Resource
+from atedevd.kubelet import sockets
+from atedevd.kubelet.calls import KUBELET_SOCKET, KubeletView
+from atedevd.kubelet.pod_resources import PodResourcesClient
 from atedevd.record import Record
 from atedevd.registration import messages as m
 from atedevd.registration.messages import State
 from atedevd.registration.report import Report
-from atedevd.resource import Resource
 
 INFO = logging.INFO
 # Events after which some may be missing: look at kubelet.sock itself.
@@ -60,7 +60,7 @@ def interpret(events: Iterable, plugin_dir: str, resources: Iterable[str]) -> Di
     return DirectoryNews(created, lost, overflowed, news, frozenset(directories))
 
 
-class Node:
+class PluginDir:
     def __init__(self, plugin_dir: str, dev_root: str, sys_root: str, host, run_id: str, serve_failed) -> None:
         self.plugin_dir = plugin_dir
         self.dev_root, self.sys_root = dev_root, sys_root  # where nodes are looked up, and the kernel's account of them
@@ -75,9 +75,9 @@ class Node:
         self.leaving: Dict[str, Resource] = {}
         self._numbers: Dict[str, Iterator[int]] = {}  # each resource's socket names, for the whole run
         self.stopping = False
-        self.held = False  # a successor's: serve, but register only once released (atedevd/handoff.py)
+        self.on_hold = False  # a successor's: serve, but register only once released (atedevd/upgrade/machines.py)
         self.inherited: FrozenSet[str] = frozenset()  # a successor's: the resources its predecessor served
-        self.claims = Claims(self._poke)  # which resources reach which node: no node is two's (atedevd/claims.py)
+        self.claims = Claims(self._poke)  # which resources reach which node: no node is two's (atedevd/devices/claims.py)
         self._watched: FrozenSet[str] = frozenset()  # the directories the watcher was last asked for
 
     # --- configuration -------------------------------------------------------------------------
@@ -139,7 +139,7 @@ class Node:
         news = interpret(events, self.plugin_dir, [*self.resources, *self.leaving])
         if self.stopping:
             return news
-        if self.host.cdi is not None:  # the CDI specs' directory (atedevd/cdi_keeper.py)
+        if self.host.cdi is not None:  # the CDI specs' directory (atedevd/cdi/keeper.py)
             self.host.cdi.changed(news.directories if not news.events_lost else self.host.cdi.directories())
         self.look_at_kubelet(now, news.kubelet_created, news.events_lost)
         for r in self.all_resources():
@@ -191,15 +191,15 @@ class Node:
                 r.handle(now, m.Unserve("the plugin directory is gone"))
             elif r.advertised and r.name not in self.leaving:
                 if r.state is State.UNSERVED:
-                    r.serve(now, self.kubelet, self.held)
+                    r.serve(now, self.kubelet, self.on_hold)
                     began |= r.state is not State.UNSERVED
                 r.check_sockets(now)
         return began
 
-    # --- an upgrade (atedevd/handoff.py), and the end -------------------------------------------
+    # --- an upgrade (atedevd/upgrade/machines.py), and the end -------------------------------------------
 
     def tell_all(self, now: float, event: m.Event) -> None:
-        """Every resource's registration is told: an upgrade's step (`HandOff`, `TakeBack`,
+        """Every resource's registration is told: an upgrade's step (`Yield`, `TakeBack`,
         `RegisterAgain`), or the last word (`CloseAll`)."""
         for r in self.all_resources():
             r.handle(now, event)
@@ -210,26 +210,26 @@ class Node:
 
     def release(self, now: float) -> None:
         """A successor's: register now."""
-        self.held = False
+        self.on_hold = False
         self.tell_all(now, m.Release())
 
-    def begin_stop(self, now: float, handed_over: bool = False) -> None:
+    def begin_stop(self, now: float, replaced: bool = False) -> None:
         """End our streams; the caller runs on until kubelet has let go of them (bounded).
-        `handed_over`: our successor is registered (an upgrade): no let-go to wait for."""
+        `replaced`: our successor is registered (an upgrade): no let-go to wait for."""
         self.stopping = True
-        self.tell_all(now, m.Stop(handed_over))
+        self.tell_all(now, m.Stop(replaced))
 
     def close(self, now: float) -> None:
         """Every socket of ours closed: the process exits."""
         self.tell_all(now, m.CloseAll())
 
     @property
-    def held_ready(self) -> bool:
-        return all(r.held_ready for r in self.resources.values())
+    def ready_on_hold(self) -> bool:
+        return all(r.ready_on_hold for r in self.resources.values())
 
     @property
-    def handed_off(self) -> bool:
-        return all(r.handed_off for r in self.resources.values())
+    def yielded(self) -> bool:
+        return all(r.yielded for r in self.resources.values())
 
     @property
     def registered(self) -> bool:

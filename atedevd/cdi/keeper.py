@@ -3,7 +3,7 @@
 `Specs` is the daemon's (one per process, `Host.cdi`): whether CDI grants are on, where,
 whether answers carry the DeviceSpec too, and every resource's `Keeper`. A `Keeper` is
 one resource's: the resource hands it each new snapshot before any socket serves it
-(`publish`), and it writes the spec that resolves every name of it (atedevd/cdi_book.py
+(`publish`), and it writes the spec that resolves every name of it (atedevd/cdi/book.py
 decides what) with the numbers the table judged, never looked up again; its sockets'
 Allocate asks it which names to answer (`names`, on gRPC threads: it reads one immutable
 value). What it cannot write it does not answer: that answer carries the DeviceSpec
@@ -30,9 +30,14 @@ import stat
 import time
 from typing import Callable, Dict, FrozenSet, Iterable, Optional, Set, Tuple
 
-from atedevd import cdi, cdi_book, cdi_files, policy, trust
+from atedevd import trust
+from atedevd.cdi import book as cdi_book
+from atedevd.cdi import files as cdi_files
+from atedevd.cdi import names as cdi
 from atedevd.config import Device, host_path
-from atedevd.devices import NodeGrant, trust_stamp
+from atedevd.devices import policy
+from atedevd.devices.judgement import trust_stamp
+from atedevd.devices.snapshot import NodeGrant
 
 RETRY_EVERY_S = 1.0
 LOOK_EVERY_S = 2.0  # the spec directory, events or not (resource.LOOK_EVERY_S, for the nodes)

@@ -7,7 +7,7 @@ nobody on the host. So such a pod opens the node only where the host node lets o
 read and write it. An operator who decides for that sets `host_mode = 0o666` on the
 device; atedevd then applies it at start and again whenever udev (or anyone) changes the
 mode, with no udev rule of their own. It never widens a node the device policy refuses
-(atedevd/policy.py), opted in or not, nor one its table did not judge present for the
+(atedevd/devices/policy.py), opted in or not, nor one its table did not judge present for the
 device: only a node with the numbers its table judged is changed, through the descriptor
 then checked (opened O_PATH, which opens no device), so a link retargeted or a node made
 anew in between changes nothing that was not judged.
@@ -18,8 +18,8 @@ import os
 import stat
 from typing import Callable, Iterable, Tuple
 
-from atedevd import policy
 from atedevd.config import Device
+from atedevd.devices import policy
 
 
 class HostMode:

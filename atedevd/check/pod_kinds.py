@@ -16,9 +16,9 @@ the node was made (docs/devices-in-containers.md has the measured table):
 import stat
 from typing import Iterable, List, Optional
 
+from atedevd.check.runtimes import Runtime
 from atedevd.config import Device
 from atedevd.record import Record
-from atedevd.runtimes import Runtime
 
 ROOT, NON_ROOT, GROUP, CDI, USERNS = "root", "non-root", "non-root-with-group", "non-root-cdi", "user-namespace"
 KINDS = (ROOT, NON_ROOT, GROUP, CDI, USERNS)

@@ -23,8 +23,10 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
-from atedevd import config, metrics, sockets
+from atedevd import config
 from atedevd.config import Config, ConfigError, Device
+from atedevd.daemon import textfile
+from atedevd.kubelet import sockets
 from atedevd.trust import group_name as _group
 from atedevd.trust import user_name as _user
 
@@ -83,7 +85,7 @@ def run(cfg: Config, out: TextIO, unit: Optional[Callable[[], Optional[Dict[str,
 
     `unit` returns atedevd.service's sandbox properties (None: not loaded); by
     default they are asked of systemd. `runtimes` returns the container runtimes'
-    settings (atedevd/runtimes.py); by default their configuration files are read.
+    settings (atedevd/check/runtimes.py); by default their configuration files are read.
     """
     report = collect(cfg, unit or unit_properties, runtimes)
     if as_json:
@@ -95,7 +97,8 @@ def run(cfg: Config, out: TextIO, unit: Optional[Callable[[], Optional[Dict[str,
 
 def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]], runtimes: Optional[Callable[[], list]] = None) -> NodeReport:
     """Look at the node: every finding as data."""
-    from atedevd import pod_checks, runtimes as runtime_files  # only for `check`
+    from atedevd.check import pods as pod_checks
+    from atedevd.check import runtimes as runtime_files  # only for `check`
 
     report = NodeReport(cfg.source, cfg.dev_root, cfg.device_plugin_dir)
     found = (runtimes or runtime_files.read)()
@@ -119,7 +122,7 @@ def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]], runtimes:
                if report.drop_in else None)
     if cfg.cdi:
         pod_checks.spec_dir(cfg, props, report)
-    metrics_dir = metrics.resolve_dir(cfg.metrics_dir)
+    metrics_dir = textfile.resolve_dir(cfg.metrics_dir)
     status, text = metrics_state(cfg.metrics_dir, props)
     report.add("metrics", metrics_dir or "", status, text,
                fix=f"set metrics_dir in {cfg.source or config.DEFAULT_CONFIG_PATH} to a directory node_exporter reads "
@@ -192,9 +195,9 @@ def _check_pattern(cfg: Config, dev: Device, report: NodeReport) -> None:
 def node_rows(cfg: Config, dev: Device) -> List[dict]:
     """Every node the device reaches (a pattern's matches, its node, its companions), judged
     as the daemon judges them at its start: ID, major:minor, NUMA node, present, allowed,
-    and whether another configured resource reaches it too (atedevd/claims.py)."""
-    from atedevd.claims import Claims
-    from atedevd.resource import node_table
+    and whether another configured resource reaches it too (atedevd/devices/claims.py)."""
+    from atedevd.devices.claims import Claims
+    from atedevd.glue.resource import node_table
 
     claims = Claims()
     claims.configure(cfg.devices, cfg.dev_root)
@@ -282,8 +285,8 @@ def _render_nodes(report: NodeReport, out: TextIO) -> None:
 
 
 def _render_pods(report: NodeReport, out: TextIO) -> None:
-    """Per device, every pod kind: does it open the node, why, and the fix (atedevd/pod_kinds.py)."""
-    from atedevd.pod_kinds import TITLES
+    """Per device, every pod kind: does it open the node, why, and the fix (atedevd/check/pod_kinds.py)."""
+    from atedevd.check.pod_kinds import TITLES
 
     for d in report.devices:
         if not d.get("pods"):
@@ -378,7 +381,7 @@ def socket_state(path: str, timeout: float = SOCKET_TIMEOUT_S) -> Tuple[bool, st
 
 def host_access_findings(cfg: Config) -> List[Tuple[str, str, str]]:
     """(resource, status, line) per device whose table sets allow_host_access: what it lets through."""
-    from atedevd import policy
+    from atedevd.devices import policy
 
     out = []
     for dev in cfg.devices:
@@ -534,16 +537,16 @@ def _sandbox_keeps_read_only(path: str, props: Dict[str, str]) -> Optional[str]:
 def metrics_state(configured: Optional[str], props: Optional[Dict[str, str]]) -> Tuple[str, str]:
     """(status, words): can the daemon, as the unit runs it, write atedevd.prom? A warning
     at most: metrics are not needed to serve, but a fleet that counts on them sees nothing."""
-    directory = metrics.resolve_dir(configured)
+    directory = textfile.resolve_dir(configured)
     if directory is None:
         return OK, ("off (metrics_dir is empty)" if configured == "" else
-                    f"off ({metrics.DEFAULT_DIR}, node_exporter's textfile directory, does not exist)")
+                    f"off ({textfile.DEFAULT_DIR}, node_exporter's textfile directory, does not exist)")
     state = _dir_state(directory)
     if state != "present":
         return WARNING, f"{directory} is {state}: atedevd.prom is not written"
     if not os.access(directory, os.W_OK):
         return WARNING, f"{directory} is not writable (a read-only mount?): atedevd.prom is not written"
-    refused = metrics.directory_refused(directory)
+    refused = textfile.directory_refused(directory)
     if refused:
         return WARNING, f"{refused}: atedevd.prom is not written"
     listed = None if props is None else _sandbox_keeps_read_only(directory, props)
@@ -567,14 +570,15 @@ def drop_in(plugin_dir: str) -> str:
             "ReadWritePaths=\n"
             f"ReadWritePaths=-{plugin_dir}\n"
             "# The unit's other exceptions, kept: node_exporter's textfile directory (atedevd.prom), CDI specs.\n"
-            f"ReadWritePaths=-{metrics.DEFAULT_DIR}\n"
+            f"ReadWritePaths=-{textfile.DEFAULT_DIR}\n"
             "ReadWritePaths=-/run/cdi\n")
 
 
 def _kubelet_view(cfg: Config, report: NodeReport) -> None:
     """What kubelet itself counts, next to what we advertise: the one place a
     registration that kubelet silently stopped honouring shows."""
-    from atedevd.kubelet import allocatable_counts, pod_resources_socket  # imports grpc: only when `check` gets here
+    from atedevd.kubelet.calls import allocatable_counts  # imports grpc: only when `check` gets here
+    from atedevd.kubelet.calls import pod_resources_socket
 
     path = pod_resources_socket(cfg.device_plugin_dir)
     report.kubelet_view = {"socket": path, "counts": None, "note": None}

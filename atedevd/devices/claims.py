@@ -22,8 +22,8 @@ import os
 import stat
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
-from atedevd import policy
 from atedevd.config import Device, Pattern, host_path
+from atedevd.devices import policy
 from atedevd.record import Record
 
 Reach = Dict[int, List[Tuple[str, bool]]]  # st_rdev -> (path pods see, handed to one container at a time)

@@ -1,4 +1,4 @@
-"""`atedevd check`'s part for pod kinds: each device's verdicts (atedevd/pod_kinds.py) as
+"""`atedevd check`'s part for pod kinds: each device's verdicts (atedevd/check/pod_kinds.py) as
 findings and as `devices[].pods`, and whether the unit's sandbox lets the daemon write its
 CDI specs."""
 
@@ -6,7 +6,8 @@ import os
 import stat
 from typing import Dict, List, Optional, Tuple
 
-from atedevd import pod_kinds, trust
+from atedevd import trust
+from atedevd.check import pod_kinds
 from atedevd.config import Config, Device
 
 OK, WARNING, PROBLEM = "ok", "warning", "problem"  # check.py's statuses
@@ -72,7 +73,8 @@ def spec_dir(cfg: Config, props: Optional[Dict[str, str]], report) -> None:
 
 def foreign_specs(cfg: Config) -> List[Tuple[str, str]]:
     """(path, kind) of every spec in cdi_spec_dir that another program wrote with one of our kinds."""
-    from atedevd import cdi, cdi_keeper
+    from atedevd.cdi import keeper as cdi_keeper
+    from atedevd.cdi import names as cdi
 
     kinds = {cdi.kind(d.resource) for d in cfg.devices}
     ours = {cdi.file_name(d.resource) for d in cfg.devices}

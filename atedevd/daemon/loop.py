@@ -3,8 +3,8 @@
 Inputs are inotify events (plugin directory and device directories), signals,
 timers, callables posted by gRPC threads (a call finished, a stream opened or
 ended), kubelet's hang-ups of connections counted in a let-go wait, and an
-upgrade's channel. The loop hands them to the `Process` (atedevd/process.py), the
-glue the simulation runs too, which tells the `Node` and the upgrade's machines
+upgrade's channel. The loop hands them to the `Process` (atedevd/glue/process.py), the
+glue the simulation runs too, which tells the `PluginDir` and the upgrade's machines
 and says what the process must do; registration decisions live in
 `atedevd/registration/` (no I/O). What stays here is the I/O of the process: the
 loop, signals, sd_notify, the configuration's reload, the upgrade's successor and
@@ -21,16 +21,22 @@ import signal
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from atedevd import cdi_keeper, handoff, instance, metrics, sandbox, sockets, upgrade
+from atedevd.cdi import keeper as cdi_keeper
 from atedevd.config import Config, ConfigError, load
-from atedevd.host import Host
-from atedevd.kubelet import warm_up
-from atedevd.node import Node
-from atedevd.plugin import Workers
-from atedevd.process import Process, ProcessAction, Ready, ServingBegan, StartWork, Status, WatchDirectories, WriteMetrics
+from atedevd.daemon import instance, sandbox, textfile
+from atedevd.daemon.host import Host
+from atedevd.daemon.watch import Watcher
+from atedevd.glue import metrics
+from atedevd.glue.plugin_dir import PluginDir
+from atedevd.glue.process import (Process, ProcessAction, Ready, ServingBegan, StartWork, Status, WatchDirectories,
+                                  WriteMetrics)
+from atedevd.kubelet import sockets
+from atedevd.kubelet.calls import warm_up
+from atedevd.kubelet.plugin import Workers
 from atedevd.registration.messages import Say
 from atedevd.systemd import Notifier, event, set_level
-from atedevd.watch import Watcher
+from atedevd.upgrade import machines
+from atedevd.upgrade import peers as upgrade
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +54,7 @@ class Daemon:
         self.lock_fd = lock_fd  # the instance lock (a successor inherits it)
         self.peers = upgrade.Peers(parent)  # an upgrade's other process: our successor, or our predecessor
         self._installed: Optional[tuple] = None  # the package's files as they were once started
-        self._handed_over = False  # our successor is main: exit without a last word
+        self._replaced = False  # our successor is main: exit without a last word
         self.notifier = Notifier(quiet=parent is not None)  # a successor speaks to systemd once main
         self.inbox = Inbox()  # what gRPC threads hand to the loop
         self.exit_code = 0
@@ -56,15 +62,15 @@ class Daemon:
         # No thread before the first Registers (each Register starts what kubelet's calls after
         # it need, Workers.registering); the rest of the pool once they are sent (StartWork).
         self._workers = Workers(len(cfg.devices), start_now=0)
-        self.metrics = metrics.TextfileWriter(None if parent else metrics.resolve_dir(cfg.metrics_dir))
+        self.metrics = textfile.TextfileWriter(None if parent else textfile.resolve_dir(cfg.metrics_dir))
         self._run_id = sockets.new_run_id()
         self.host = Host(cfg.device_plugin_dir, self._workers, self.inbox.post)
         self.cdi = self.host.cdi = cdi_keeper.Specs(self.host.say, sharing=parent is not None)  # a successor keeps its predecessor's
-        node = Node(cfg.device_plugin_dir, cfg.dev_root, cfg.sys_root, self.host, self._run_id, self._serve_failed)
+        plugins = PluginDir(cfg.device_plugin_dir, cfg.dev_root, cfg.sys_root, self.host, self._run_id, self._serve_failed)
         if parent is not None:  # serve, but register once the predecessor says so
-            node.held, node.inherited = True, parent.inherited
-        self.process = Process(node, successor=parent is not None)
-        self.node = node
+            plugins.on_hold, plugins.inherited = True, parent.inherited
+        self.process = Process(plugins, successor=parent is not None)
+        self.plugins = plugins
 
     # --- life cycle -----------------------------------------------------------
 
@@ -76,15 +82,15 @@ class Daemon:
         signal.set_wakeup_fd(sig_w)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)  # the loop reads the number from the wakeup fd
-        self.node.kubelet.refresh(created=False, events_lost=True)
+        self.plugins.kubelet.refresh(created=False, events_lost=True)
         self._apply(self.cfg, first=True)
         self._info = metrics.DaemonInfo.current()
-        self._wall_offset = metrics.WallOffset()
+        self._wall_offset = textfile.WallOffset()
         self.notifier.ready(self.process.status())
         event(INFO, "started", f"atedevd serving {self.process.summary()} in {self.cfg.device_plugin_dir}")
         self.process.started(time.monotonic())
         try:
-            if self.peers.parent is not None and self.node.kubelet.serving:
+            if self.peers.parent is not None and self.plugins.kubelet.serving:
                 warm_up(self.cfg.device_plugin_dir)  # held: the Register on GO need not pay for grpc's first channel
             self._perform(self.process.wake(time.monotonic()))  # a successor's sockets are bound: ready, before the first wait
             self._loop()
@@ -117,10 +123,10 @@ class Daemon:
                 elif fd in watched:
                     self.host.hung_up(fd)  # its let-go wait counts again (posted: the inbox is read next time)
                 else:
-                    self.node.on_directory_events(self._watcher.read(), time.monotonic())
+                    self.plugins.on_directory_events(self._watcher.read(), time.monotonic())
             poll_at = self._watcher.poll_deadline()
             if poll_at is not None and time.monotonic() >= poll_at:
-                self.node.on_directory_events(self._watcher.read(), time.monotonic())
+                self.plugins.on_directory_events(self._watcher.read(), time.monotonic())
             self._perform(self.process.wake(time.monotonic()))
             due = self.metrics.deadline()
             if due is not None and time.monotonic() >= due:
@@ -146,15 +152,15 @@ class Daemon:
             event(INFO, "leftover-removed", f"removed {path}, left behind by an earlier run", socket=path)
         self._installed = upgrade.fingerprint()  # a reload compares: the package was upgraded?
         self._write_metrics()
-        if not self.node.kubelet.serving:  # kubelet comes later (boot): its first Register need not pay for grpc's first channel
+        if not self.plugins.kubelet.serving:  # kubelet comes later (boot): its first Register need not pay for grpc's first channel
             warm_up(self.cfg.device_plugin_dir)
 
     def _shutdown(self) -> None:
-        if self._handed_over:
+        if self._replaced:
             event(INFO, "stopping", f"handed over to the new atedevd (pid {self.peers.successor_pid}); removing our sockets")
         else:
             event(INFO, "stopping", "stopping: removing our sockets")
-        self.node.close(time.monotonic())  # (the CDI specs stay: kubelet's checkpointed answers name them)
+        self.plugins.close(time.monotonic())  # (the CDI specs stay: kubelet's checkpointed answers name them)
         sockets.remove_standby_dir(self.cfg.device_plugin_dir)  # nothing of ours left in kubelet's directory
         self._write_metrics(force=True)  # the last word: every resource stopped, not registered (not after a handover: off)
         self._workers.shutdown(wait=False)
@@ -162,7 +168,7 @@ class Daemon:
 
     def _begin_stop(self) -> None:
         """End our streams; the loop runs on until kubelet has let go of them (bounded)."""
-        if not self.node.stopping:
+        if not self.plugins.stopping:
             self.notifier.stopping()
         self.process.stop(time.monotonic())
 
@@ -172,7 +178,7 @@ class Daemon:
         for signum in signums:
             if signum in (signal.SIGTERM, signal.SIGINT):
                 self._begin_stop()
-            elif signum == signal.SIGHUP and not self.node.stopping and self.process.upgrading is None:
+            elif signum == signal.SIGHUP and not self.plugins.stopping and self.process.upgrading is None:
                 self._reload()
 
     # --- serving --------------------------------------------------------------
@@ -196,23 +202,23 @@ class Daemon:
     # --- configuration --------------------------------------------------------------
 
     def _apply(self, cfg: Config, first: bool = False) -> None:
-        """Adopt `cfg`: the node adds, removes and changes resources (atedevd/node.py)."""
+        """Adopt `cfg`: the node adds, removes and changes resources (atedevd/glue/plugin_dir.py)."""
         if not first and cfg.device_plugin_dir != self.cfg.device_plugin_dir:
             event(WARNING, "reload", f"device_plugin_dir cannot change on reload; still using {self.cfg.device_plugin_dir} (restart to change it)")
             cfg = cfg._replace(device_plugin_dir=self.cfg.device_plugin_dir)
         set_level(cfg.log_level)
         if not first and cfg.metrics_dir != self.cfg.metrics_dir:
-            self.metrics = metrics.TextfileWriter(metrics.resolve_dir(cfg.metrics_dir))
+            self.metrics = textfile.TextfileWriter(textfile.resolve_dir(cfg.metrics_dir))
         self.cfg = cfg
         if not first:  # the first pass runs on the threads started in __init__; run() starts the rest
             self._workers.grow(len(cfg.devices))
         now = time.monotonic()
         self.cdi.configure(cfg)  # before a resource's first snapshot
-        self.node.apply(cfg.devices, cfg.dev_root, cfg.sys_root, now)
-        dirs = self.node.directories_to_watch()  # (at once: what happens there from now on is news)
+        self.plugins.apply(cfg.devices, cfg.dev_root, cfg.sys_root, now)
+        dirs = self.plugins.directories_to_watch()  # (at once: what happens there from now on is news)
         if dirs is not None:
             self._watcher.want(dirs)
-        if self.node.reconcile(now):
+        if self.plugins.reconcile(now):
             self._bind.served()
 
     def _reload(self) -> None:
@@ -227,16 +233,16 @@ class Daemon:
             event(logging.ERROR, "reload-failed", f"reload failed; keeping the running configuration:\n{e}")
         else:
             self.process.reload_error = None
-            self.node.accept_nodes()  # the checked configuration accepts the nodes there now
+            self.plugins.accept_nodes()  # the checked configuration accepts the nodes there now
             self._apply(cfg)
             event(INFO, "reloaded", f"configuration reloaded: {self.process.summary()}")
         self.notifier.ready(self.process.status())
 
-    # --- an upgrade, handed to a warm successor (atedevd/handoff.py) --------------------------
+    # --- an upgrade, handed to a warm successor (atedevd/upgrade/machines.py) --------------------------
 
     def _upgrade(self) -> None:
         """The installed atedevd is another: start it, and hand over to it once it is ready."""
-        served = [r.name for r in self.node.resources.values() if r.advertised]
+        served = [r.name for r in self.plugins.resources.values() if r.advertised]
         try:
             self.peers.start_successor(self.lock_fd, served)
         except OSError as e:
@@ -248,26 +254,26 @@ class Daemon:
               f"to hand over to, {'beside us (kubelet tracks endpoints per socket)' if overlap else 'once kubelet has let go of us'}")
         self.process.upgrade(time.monotonic(), overlap)
 
-    # --- the process's actions (atedevd/process.py) ------------------------------------------
+    # --- the process's actions (atedevd/glue/process.py) ------------------------------------------
 
-    def _send(self, a: handoff.Send) -> None:
+    def _send(self, a: machines.Send) -> None:
         self.peers.send(a.message)
 
-    def _stop_successor(self, a: handoff.StopSuccessor) -> None:
+    def _stop_successor(self, a: machines.StopSuccessor) -> None:
         self.peers.stop_successor(a.kill)
 
-    def _main_pid(self, a: handoff.MainPid) -> None:
-        self.notifier.hand_over(self.peers.successor_pid)
+    def _main_pid(self, a: machines.MainPid) -> None:
+        self.notifier.main_pid(self.peers.successor_pid)
 
-    def _exit(self, a: handoff.Exit) -> None:
-        self._handed_over = True  # no STOPPING=1: the unit goes on, with the new main process
-        self.metrics = metrics.TextfileWriter(None)  # the successor's now
+    def _exit(self, a: machines.Exit) -> None:
+        self._replaced = True  # no STOPPING=1: the unit goes on, with the new main process
+        self.metrics = textfile.TextfileWriter(None)  # the successor's now
 
-    def _become_main(self, a: handoff.BecomeMain) -> None:
+    def _become_main(self, a: machines.BecomeMain) -> None:
         instance.adopt(self.lock_fd)
         self.notifier.become_main()
         self.notifier.ready(self.process.status())
-        self.metrics = metrics.TextfileWriter(metrics.resolve_dir(self.cfg.metrics_dir))
+        self.metrics = textfile.TextfileWriter(textfile.resolve_dir(self.cfg.metrics_dir))
         event(INFO, "upgraded", f"took over as systemd's main process: atedevd serving {self.process.summary()}")
 
     def _say(self, a: Say) -> None:
@@ -284,15 +290,15 @@ class Daemon:
         self.metrics.update(self._render_metrics, time.monotonic(), force=force)
 
     def _render_metrics(self) -> str:
-        return metrics.render(self._info, self.node.reports(), polling=self._watcher.poll_deadline() is not None,
+        return metrics.render(self._info, self.plugins.reports(), polling=self._watcher.poll_deadline() is not None,
                               reload_ok=self.process.reload_error is None, wall_offset=self._wall_offset.current())
 
 
 # (A type checker cannot tie each key to its function's parameter: tests/test_dispatch.py does.)
 _DO: Dict[type, Callable[..., None]] = {
     StartWork: Daemon._start_work, Status: Daemon._status, Ready: Daemon._ready, WriteMetrics: Daemon._write_metrics,
-    ServingBegan: Daemon._serving_began, WatchDirectories: Daemon._watch, handoff.Send: Daemon._send, handoff.StopSuccessor: Daemon._stop_successor,
-    handoff.MainPid: Daemon._main_pid, handoff.Exit: Daemon._exit, handoff.BecomeMain: Daemon._become_main,
+    ServingBegan: Daemon._serving_began, WatchDirectories: Daemon._watch, machines.Send: Daemon._send, machines.StopSuccessor: Daemon._stop_successor,
+    machines.MainPid: Daemon._main_pid, machines.Exit: Daemon._exit, machines.BecomeMain: Daemon._become_main,
     Say: Daemon._say,
 }
 

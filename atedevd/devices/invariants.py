@@ -19,8 +19,9 @@ import os
 import stat
 from typing import Callable, Dict, List, Optional, Tuple
 
-from atedevd import policy
-from atedevd.devices import Served, UnitSnapshot
+from atedevd.devices import policy
+from atedevd.devices.rows import Served
+from atedevd.devices.snapshot import UnitSnapshot
 from atedevd.record import Record
 
 
@@ -58,7 +59,7 @@ def observe_disk(sys_root: str = policy.SYS_ROOT) -> Observe:
 
 
 class Invariants:
-    """Checks a Node (atedevd/node.py) as often as asked, remembering every ID it has seen."""
+    """Checks a Node (atedevd/glue/plugin_dir.py) as often as asked, remembering every ID it has seen."""
 
     def __init__(self) -> None:
         self._ids: Dict[Tuple[str, str], str] = {}  # (resource, ID) -> the path it meant first

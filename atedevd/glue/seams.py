@@ -1,19 +1,18 @@
 """The seams between what decides and what does I/O, as Protocols a type checker holds.
 
 `HostIO` is everything the node, its resources and their performers do to the world
-(atedevd/host.py on a node, tests/simulation/host.py in the simulation); `Server` is one
-plugin socket's server as the performer drives it (atedevd/plugin.py's PluginServer, the
+(atedevd/daemon/host.py on a node, tests/simulation/host.py in the simulation); `Server` is one
+plugin socket's server as the performer drives it (atedevd/kubelet/plugin.py's PluginServer, the
 simulation's SimServer); `PendingCall` is a call in flight. Nothing imports this module at run
 time (the annotations that name it are strings): it costs a start nothing.
 """
 
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Tuple
 
-
 if TYPE_CHECKING:
-    from atedevd.cdi_keeper import Specs
+    from atedevd.cdi.keeper import Specs
     from atedevd.config import Device
-    from atedevd.devices import Snapshot
+    from atedevd.devices.snapshot import Snapshot
     from atedevd.registration.messages import Listing, Outcome
 
 

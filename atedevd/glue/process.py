@@ -1,9 +1,9 @@
 """One atedevd process as decisions: what it does after every wake-up, and in an upgrade.
 
-The daemon's loop (atedevd/daemon.py) and the simulation (tests/simulation) both run
-a `Process` over the same `Node`: after each wake-up `wake(now)` runs what is due on
+The daemon's loop (atedevd/daemon/loop.py) and the simulation (tests/simulation) both run
+a `Process` over the same `PluginDir`: after each wake-up `wake(now)` runs what is due on
 the node, the start's deferred work once the first Registers are out, the upgrade's
-two machines (atedevd/handoff.py) with what they see of the node, and says when the
+two machines (atedevd/upgrade/machines.py) with what they see of the node, and says when the
 status line and the metrics may have changed. What the process itself must do comes
 out as typed actions, which each side carries out by a table of types: the daemon
 with sd_notify, the upgrade's channel and the metrics file; the simulation with its
@@ -12,12 +12,12 @@ clock and its channel. `ACTIONS` lists them; a test holds both tables to it.
 
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Type, Union
 
-from atedevd.handoff import (BecomeMain, Exit, MainPid, Message, Predecessor, Send, StopSuccessor, Successor,
-                             UpgradeAction, UpgradePhase)
-from atedevd.node import Node
+from atedevd.glue.plugin_dir import PluginDir
 from atedevd.record import Record
-from atedevd.registration.messages import HandOff, RegisterAgain, Release, Say, TakeBack
+from atedevd.registration.messages import Yield, RegisterAgain, Release, Say, TakeBack
 from atedevd.registration.report import Report, describe
+from atedevd.upgrade.machines import (BecomeMain, Exit, MainPid, Message, Predecessor, Send, StopSuccessor, Successor,
+                                      UpgradeAction, UpgradePhase)
 
 START_WORK_LATEST_S = 0.5  # the start's deferred work waits for the first Registers this long at most
 
@@ -59,9 +59,9 @@ ACTIONS: Tuple[type, ...] = ProcessAction.__args__  # type: ignore[attr-defined]
 class Process:
     """The node and the upgrade's machines, between the loop and the I/O."""
 
-    def __init__(self, node: Node, successor: bool = False) -> None:
-        self.node = node
-        self.host = node.host
+    def __init__(self, plugins: PluginDir, successor: bool = False) -> None:
+        self.plugins = plugins
+        self.host = plugins.host
         self.predecessor: Optional[Predecessor] = None  # an upgrade of ours, under way
         self.successor: Optional[Successor] = Successor() if successor else None  # until we are main
         self.start_work_due: Optional[float] = None
@@ -79,12 +79,12 @@ class Process:
     def stop(self, now: float) -> None:
         """SIGTERM: end our streams (the loop runs on until kubelet let go); a successor
         being started stops too."""
-        if self.node.stopping:
+        if self.plugins.stopping:
             return
         p = self.predecessor
         if p is not None and p.phase is not UpgradePhase.DONE:
             self._out.append(StopSuccessor(kill=False))
-        self.node.begin_stop(now)
+        self.plugins.begin_stop(now)
 
     def upgrade(self, now: float, overlap: bool) -> None:
         """A successor was started: hand over to it once it is ready (`overlap`: beside us)."""
@@ -117,13 +117,13 @@ class Process:
         """What is due, then what the process must do."""
         if self.host.cdi is not None:
             self.host.cdi.wake(now)  # a CDI spec that could not be written; the look at the spec directory
-        if self.node.wake(now):
+        if self.plugins.wake(now):
             self._out.append(ServingBegan())
-        dirs = self.node.directories_to_watch()
+        dirs = self.plugins.directories_to_watch()
         if dirs is not None:
             self._out.append(WatchDirectories(dirs))
         due = self.start_work_due
-        if due is not None and (now >= due or self.node.stopping or self.node.registers_sent() or self._kubelet_away()):
+        if due is not None and (now >= due or self.plugins.stopping or self.plugins.registers_sent() or self._kubelet_away()):
             self.start_work_due = None
             self._out.append(StartWork())
         self.upgrade_steps(now)
@@ -135,19 +135,19 @@ class Process:
         """Nothing can be registered now: no kubelet.sock, or one nobody accepts on (the one
         a kubelet left at a reboot). The deferred work is then done before kubelet comes, not
         while it dials back (at boot it starts after our READY)."""
-        kubelet = self.node.kubelet
+        kubelet = self.plugins.kubelet
         return not kubelet.serving or not self.host.listening(kubelet.socket)
 
     def deadline(self) -> Optional[float]:
         """When `wake` is due next for a timer of ours."""
-        times = [t for t in (self.node.deadline(), self.start_work_due,
+        times = [t for t in (self.plugins.deadline(), self.start_work_due,
                              self.predecessor.deadline if self.predecessor is not None else None,
                              self.host.cdi.deadline if self.host.cdi is not None else None) if t is not None]
         return min(times) if times else None
 
     @property
     def stopped(self) -> bool:
-        return self.node.stopped
+        return self.plugins.stopped
 
     def upgrade_steps(self, now: float) -> None:
         """What the upgrade's machines see of the node now, and what they ask for."""
@@ -155,13 +155,13 @@ class Process:
         if self.host.cdi is not None:
             self.host.cdi.sharing = self.upgrading is not None  # both daemons keep the specs meanwhile
         if p is not None:
-            if p.phase is UpgradePhase.LETTING_GO and self.node.handed_off:
+            if p.phase is UpgradePhase.YIELDING and self.plugins.yielded:
                 p.let_go(now)
             p.on_timer(now)
         if s is not None:
-            if s.phase is UpgradePhase.STARTING and self.node.held_ready:
+            if s.phase is UpgradePhase.STARTING and self.plugins.ready_on_hold:
                 s.ready()
-            elif s.phase is UpgradePhase.REGISTERING and self.node.registered:
+            elif s.phase is UpgradePhase.REGISTERING and self.plugins.registered:
                 s.registered()
         for machine in (p, s):
             for action in machine.take() if machine is not None else ():
@@ -176,32 +176,32 @@ class Process:
         parts: List[str] = []
         if self.reload_error:
             parts.append(f"reload failed, running previous config: {self.reload_error}")
-        dir_ok = self.host.isdir(self.node.plugin_dir)
+        dir_ok = self.host.isdir(self.plugins.plugin_dir)
         now, wall = self.host.monotonic(), self.host.wall()
-        for r in self.node.reports():
+        for r in self.plugins.reports():
             parts.append(f"{r.name}: {self._describe(r, dir_ok, now, wall)}")
         return "; ".join(parts) or "no devices configured"
 
     def summary(self) -> str:
         """What is served, in a few words."""
-        return ", ".join(f"{r.name} ({r.device.path})" for r in self.node.resources.values()) or "no devices"
+        return ", ".join(f"{r.name} ({r.device.path})" for r in self.plugins.resources.values()) or "no devices"
 
     def _describe(self, r: Report, dir_ok: bool, now: float, wall: float) -> str:
         if not r.advertised:
             return f"no node matches {r.device_path}, not advertised" if r.pattern else \
                 f"{r.device_path} missing, not advertised"
         if not dir_ok:
-            return f"waiting for {self.node.plugin_dir}"
+            return f"waiting for {self.plugins.plugin_dir}"
         return describe(r, now, wall)
 
     def _changed(self) -> None:
         """Status and metrics are said again only when what they show may have changed."""
-        shown = self.node.shown()
-        seen = (shown, self.reload_error, self.host.isdir(self.node.plugin_dir))
+        shown = self.plugins.shown()
+        seen = (shown, self.reload_error, self.host.isdir(self.plugins.plugin_dir))
         if seen != self._status_seen:
             self._status_seen = seen
             self._out.append(Status(self.status()))
-        allocations = tuple((r.allocations.calls, r.allocations.failures) for r in self.node.resources.values())
+        allocations = tuple((r.allocations.calls, r.allocations.failures) for r in self.plugins.resources.values())
         seen = (shown, self.reload_error, allocations)
         if seen != self._metrics_seen:
             self._metrics_seen = seen
@@ -209,21 +209,21 @@ class Process:
 
     # --- the upgrade's actions: the node's part here, the process's out -------------------------
 
-    def _to_node(self, now: float, a: UpgradeAction) -> None:
-        self.node.tell_all(now, a)  # type: ignore[arg-type]
+    def _to_plugins(self, now: float, a: UpgradeAction) -> None:
+        self.plugins.tell_all(now, a)  # type: ignore[arg-type]
 
     def _out_too(self, now: float, a: UpgradeAction) -> None:
         self._out.append(a)  # type: ignore[arg-type]
 
     def _taken_back(self, now: float, a: UpgradeAction) -> None:
-        self.node.tell_all(now, a)  # type: ignore[arg-type]
+        self.plugins.tell_all(now, a)  # type: ignore[arg-type]
         self._out.append(Ready())  # the reload is over: we serve on
 
     def _released(self, now: float, a: UpgradeAction) -> None:
-        self.node.release(now)
+        self.plugins.release(now)
 
     def _exit(self, now: float, a: UpgradeAction) -> None:
-        self.node.begin_stop(now, handed_over=True)  # our successor is registered: no let-go to wait for
+        self.plugins.begin_stop(now, replaced=True)  # our successor is registered: no let-go to wait for
         self._out.append(a)  # type: ignore[arg-type]
 
     def _main(self, now: float, a: UpgradeAction) -> None:
@@ -232,7 +232,7 @@ class Process:
 
 
 _UPGRADE: Dict[Type, Callable[[Process, float, UpgradeAction], None]] = {
-    HandOff: Process._to_node, RegisterAgain: Process._to_node, TakeBack: Process._taken_back,
+    Yield: Process._to_plugins, RegisterAgain: Process._to_plugins, TakeBack: Process._taken_back,
     Release: Process._released, Exit: Process._exit, BecomeMain: Process._main,
     Send: Process._out_too, StopSuccessor: Process._out_too, MainPid: Process._out_too, Say: Process._out_too,
 }

@@ -5,7 +5,7 @@ when the container starts anew (a crash, a kubelet restart), and a runtime with 
 the container when a name does not resolve. So a name, once an answer could carry it,
 stays in the spec: a unit that is unplugged, or dropped by a reload, keeps its device
 (a kubelet that still holds its ID checks its health before it replays). A name may be answered only once the spec on disk has it as it should be
-(its nodes, the table's mode and owner): the keeper (atedevd/cdi_keeper.py) writes
+(its nodes, the table's mode and owner): the keeper (atedevd/cdi/keeper.py) writes
 what `offer` returns and says `written`, or nothing when the write failed, and the
 answer then carries the DeviceSpec alone.
 
@@ -22,8 +22,8 @@ unit, and no other unit's node.
 
 from typing import AbstractSet, Callable, Dict, FrozenSet, List, Mapping, Optional, Set, Tuple
 
-from atedevd import cdi
-from atedevd.devices import NodeGrant
+from atedevd.cdi import names as cdi
+from atedevd.devices.snapshot import NodeGrant
 
 
 class SpecBook:
