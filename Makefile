@@ -14,18 +14,16 @@ deps:
 	@packaging/install-deps
 
 demo: deps
-	$(PYTHON) -m tests.demo
+	$(PYTHON) -m rig.demo
 
 # The fast layer, for contributors: about a minute (its count and time are printed), no root, no container, no rootfs.
-# Unit tests and the daemon as a process against the kubelet stand-in. Left to `make test`:
-# the registration matrix and the fault injection (minutes), the fuzzing, user namespaces,
-# the packages, the real-systemd containers, and the few tests marked `slow` (each several
-# seconds of its own: the restart storm, the 10,000 refused Registers, WARN_AFTER_S).
-# pytest prints the count and the time taken last, and the slowest tests above them.
-FAST_TESTS := tests/test_api.py tests/test_cdi.py tests/test_check.py tests/test_check_json.py tests/test_check_pods.py tests/test_cli.py tests/test_config.py \
-	tests/test_crash.py tests/test_daemon.py tests/test_docs.py tests/test_exclusive.py tests/test_handoff.py tests/test_health.py tests/test_journal.py tests/test_layout.py tests/test_machine.py tests/test_registration_parts.py \
-	tests/test_metrics.py tests/test_patterns.py tests/test_pod_resources.py tests/test_policy.py tests/test_record.py tests/test_simulation.py tests/test_unit_static.py tests/test_watch.py \
-	tests/test_invariants.py tests/test_lists.py
+# By folder (tests/ mirrors the package: unit/ per module, then the layers): the unit tests, the daemon as a
+# process against the kubelet stand-in, the simulation (SIM_ROUNDS rounds a cell), the tree's own checks.
+# Left to `make test`: the runtimes/ and systemd/ layers (containers, packages, a real systemd) and whatever
+# is marked `slow` (seconds or minutes of its own: the registration matrix, fault injection, fuzzing, the
+# hostile user, user namespaces, the restart storm, the 10,000 refused Registers). pytest prints the count
+# and the time taken last, and the slowest tests above them.
+FAST_TESTS := tests/unit tests/process tests/simulation tests/meta
 check: typecheck
 	SIM_ROUNDS=500 $(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m "not slow" $(FAST_TESTS)
 
@@ -34,15 +32,15 @@ check: typecheck
 # beside it the core again on the newest grpcio/protobuf (LATEST_PYTEST: most of its minute is
 # waiting, which the suite's CPU fills; its output follows the suite's). Then the boot alone:
 # its margins are milliseconds, which another test's CPU and disk would take.
-LATEST_PYTEST := .venv-latest/bin/python -m pytest -q -p no:cacheprovider tests/test_api.py tests/test_daemon.py
+LATEST_PYTEST := .venv-latest/bin/python -m pytest -q -p no:cacheprovider tests/unit/api/test_service.py tests/process/test_daemon.py
 test: deps typecheck
 	packaging/latest-venv .venv-latest
 	@log=$$(mktemp); $(LATEST_PYTEST) >$$log 2>&1 & latest=$$!; \
 	echo "$(PYTHON) -m pytest ... tests  (and $(LATEST_PYTEST) beside it)"; \
-	$(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) --durations=25 --ignore=tests/test_boot.py tests; main=$$?; \
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) --durations=25 --ignore=tests/systemd/test_boot.py tests; main=$$?; \
 	wait $$latest; rc=$$?; echo "--- the core on the newest grpcio and protobuf, run beside the suite:"; cat $$log; rm -f $$log; \
 	[ $$main -eq 0 ] && [ $$rc -eq 0 ]
-	$(PYTHON) -m pytest -q -p no:cacheprovider -s tests/test_boot.py
+	$(PYTHON) -m pytest -q -p no:cacheprovider -s tests/systemd/test_boot.py
 
 # mypy over the package for the oldest and the newest Python it claims (3.9, 3.13): a venv of
 # pinned mypy from PyPI, made once (packaging/typecheck; settings in mypy.ini).
@@ -84,7 +82,7 @@ bench-boot: deps
 # The registration scenario matrix, ROUNDS rounds per scenario and kubelet mode (CI runs 3).
 ROUNDS ?= 1000
 bench-registration: deps
-	ROUNDS=$(ROUNDS) $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_registration.py
+	ROUNDS=$(ROUNDS) $(PYTHON) -m pytest -q -p no:cacheprovider tests/process/test_registration.py
 
 # The registration simulation: SIM_ROUNDS seeded rounds per scenario and kubelet generation (CI runs
 # 10000), then the same with less to see kubelet by (pod-resources only; nothing but a fixed wait):

@@ -55,7 +55,7 @@ def _run_args(argv: List[str]) -> Optional[SimpleNamespace]:
     every start (its import, the shutil it pulls in, building the parser), 5 % of the
     time to the first Register. Anything else, help, an abbreviation, a repeated or
     unknown option, a value that looks like an option, is None: argparse's to parse,
-    so its messages and exit status 2 are the only ones (tests/test_cli.py holds
+    so its messages and exit status 2 are the only ones (tests/unit/test_cli.py holds
     both parsers to the same answers)."""
     if argv[:1] != ["run"]:
         return None

@@ -2,7 +2,7 @@
 model, with the default resource and with 16 (rig/node_boot.py: one overlay of the FULL
 Debian 12 rootfs, powered off and booted again; atedevd and the kubelet stand-in as
 kubelet.service enabled; kubelet's first batch FIRST_ADMISSION_S after kubelet.sock).
-tests/test_boot.py asserts the default resource's 20 of 20; here the margins are printed,
+tests/systemd/test_boot.py asserts the default resource's 20 of 20; here the margins are printed,
 and 16 resources, which is where the margin runs out, are measured.
 
 Needs root and systemd-nspawn; without them the row says it was not run, and why.

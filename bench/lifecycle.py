@@ -387,7 +387,7 @@ def event_rows(event: str, mode: str, results: List[dict], rounds: int) -> List[
         target = "p50 <= 20, p99 <= 50 ms"
         ok = verdict(percentile(windows, 50) <= 0.020 and percentile(windows, 99) <= 0.050)
     out = [("lifecycle", f"{on}: rejecting, p50/p99/max of {len(windows)}", stats(windows), target, ok)]
-    out.append(("lifecycle", f"  rounds with a rejection / never admitted again / end state missed",
+    out.append(("lifecycle", "  rounds with a rejection / never admitted again / end state missed",
                 f"{rejecting} / {lost} / {len(failed)} of {rounds}", "- / 0 / 0", verdict(not lost and not failed)))
     pods = [r["pods"] for r in results]
     out.append(("lifecycle", f"  pods rejected (one put in every {POD_PERIOD_S * 1000:.0f} ms), p50/p99/max per round, all",
@@ -421,7 +421,7 @@ def event_rows(event: str, mode: str, results: List[dict], rounds: int) -> List[
                               ("spoke", "the first bytes of gRPC's connection")):
                 got = [r[key] for r in results if r[key] is not None]
                 out.append(("lifecycle", f"  kubelet listens -> {what}", stats(got), "", ""))
-        out.append(("lifecycle", f"  kubelet.sock appears -> all units healthy", stats([r["healthy"] for r in results if r["healthy"] is not None]), "", ""))
+        out.append(("lifecycle", "  kubelet.sock appears -> all units healthy", stats([r["healthy"] for r in results if r["healthy"] is not None]), "", ""))
     if total > 0:
         out.append(("lifecycle", "  why, share of the time rejecting", ", ".join(
             f"{k} {v / total:.0%}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1])), "", ""))

@@ -13,7 +13,7 @@ import time
 from array import array
 from typing import Optional
 
-from rig.harness import REPO, RESOURCE, Daemon, current_socket, fake_dev_root
+from rig.harness import REPO, RESOURCE, DaemonUnderTest, current_socket, fake_dev_root
 from rig.kubelet_standin import Kubelet
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -86,7 +86,7 @@ class Rig:
         self.plugin_dir = os.path.join(self.root, "device-plugins")
         os.makedirs(self.plugin_dir)
         self.kubelet: Optional[TimedKubelet] = None
-        self.daemon: Optional[Daemon] = None
+        self.daemon: Optional[DaemonUnderTest] = None
         if kubelet:
             self.kubelet = TimedKubelet(self.plugin_dir, kubelet=kubelet_mode, **kubelet_options)
             self.kubelet.start()
@@ -96,14 +96,14 @@ class Rig:
         """The daemon's current socket (a new file per registration)."""
         return current_socket(self.plugin_dir, kubelet=self.kubelet)
 
-    def start(self, env=None, log_level: str = "info", config: Optional[str] = None, launcher=None) -> Daemon:
+    def start(self, env=None, log_level: str = "info", config: Optional[str] = None, launcher=None) -> DaemonUnderTest:
         env = {**unit_environment(), **(env or {})}  # measured as the unit runs it
         more = {"launcher": launcher} if launcher is not None else {}
-        self.daemon = Daemon(os.path.join(self.root, "run"), self.plugin_dir, self.dev_root, config=config, env=env,
+        self.daemon = DaemonUnderTest(os.path.join(self.root, "run"), self.plugin_dir, self.dev_root, config=config, env=env,
                              log_level=log_level, **more)
         return self.daemon
 
-    def start_registered(self, env=None) -> Daemon:
+    def start_registered(self, env=None) -> DaemonUnderTest:
         d = self.start(env=env)
         d.wait_ready()
         if not self.kubelet.wait_connected(RESOURCE, timeout=30):

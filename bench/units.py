@@ -8,7 +8,6 @@ JSON, written as kubelet writes it: a temp file renamed into place), and the dae
 """
 
 import os
-import time
 from typing import List, Tuple
 
 from bench.lifecycle import stats, write_config

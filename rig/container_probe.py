@@ -2,7 +2,7 @@
 
 Run inside the test container, once under atedevd.service's own sandbox (a drop-in
 swaps its ExecStart for this script) and once unconfined as the control. It only
-reports: tests/test_systemd.py decides what each outcome must be.
+reports: tests/systemd/test_systemd.py decides what each outcome must be.
 Outcome per attempt: "ok", or the errno name (EROFS, EPERM, EAFNOSUPPORT, ...).
 """
 

@@ -34,7 +34,7 @@ class _StampingOs:
             self.renamed_at = time.monotonic()
 
 
-class TimedKubelet(kubelet_standin.Kubelet):
+class ContainerTimedKubelet(kubelet_standin.Kubelet):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.sock_at = []
@@ -72,5 +72,5 @@ _OS = _StampingOs()
 
 if __name__ == "__main__":
     kubelet_standin.os = _OS
-    kubelet_standin.Kubelet = TimedKubelet  # what `serve` builds
+    kubelet_standin.Kubelet = ContainerTimedKubelet  # what `serve` builds
     sys.exit(kubelet_standin.main())

@@ -129,7 +129,7 @@ class NotifySocket:
         self._thread.join(1)
 
 
-class Daemon:
+class DaemonUnderTest:
     """One `atedevd run` process with its own notify socket, runtime dir and log file."""
 
     def __init__(self, workdir: str, plugin_dir: str, dev_root: str, config: Optional[str] = None,

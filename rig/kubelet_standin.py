@@ -91,14 +91,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import grpc
 
-from atedevd.api import (
-    API_VERSION,
-    DevicePluginStub,
-    pb,
-    pod_resources_handler,
-    prpb,
-    registration_handler,
-)
+from atedevd.api import API_VERSION, DevicePluginStub, pb, pod_resources_handler, prpb, registration_handler
 
 KUBELET_SOCKET = "kubelet.sock"
 CHECKPOINT = "kubelet_internal_checkpoint"

@@ -1,6 +1,6 @@
 """Reading Prometheus' text format, and Debian's node_exporter run on loopback for a test.
 
-Shared by tests/test_metrics.py and the real-systemd test.
+Shared by tests/process/test_metrics.py and the real-systemd test.
 """
 
 import os

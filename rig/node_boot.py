@@ -1,4 +1,4 @@
-"""The node's boot, for tests/test_boot.py and bench/boot.py: a real systemd boots the same
+"""The node's boot, for tests/systemd/test_boot.py and bench/boot.py: a real systemd boots the same
 node again and again, atedevd and the kubelet stand-in (as kubelet.service) both enabled,
 and kubelet's first batch of pods after each boot says whether atedevd won.
 
@@ -27,16 +27,8 @@ import statistics
 import time
 from typing import Dict, List
 
-from rig.container import (
-    PLUGIN_DIR,
-    STANDIN_STATE,
-    TEST_LIB,
-    Container,
-    diagnostics,
-    install_project,
-    standin_state,
-    wait_until,
-)
+from rig.container import (PLUGIN_DIR, STANDIN_STATE, TEST_LIB, Container, diagnostics, install_project, standin_state,
+                           wait_until)
 from rig.kubelet_standin import CHECKPOINT
 
 FIRST_ADMISSION_S = 0.040

@@ -7,7 +7,7 @@ from kubelet's side.
     r = upgrade(node, newer_deb)             # one upgrade: the rejection window, a timeline, the end state
     assert not r["problems"], r["problems"]
 
-Shared by the install tests (tests/test_install.py) and the upgrade benchmark (bench/upgrade.py).
+Shared by the install tests (tests/systemd/test_install.py) and the upgrade benchmark (bench/upgrade.py).
 
 The kubelet stand-in runs as its own transient unit (container_admission_standin.py),
 outside atedevd's unit and sandbox, as kubelet does on a node; from its start it samples
@@ -26,17 +26,8 @@ import types
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from rig.container import (
-    PLUGIN_DIR,
-    RESOURCE,
-    TEST_LIB,
-    Container,
-    our_sockets,
-    standin_state,
-    start_standin,
-    wait_registered,
-    wait_until,
-)
+from rig.container import (PLUGIN_DIR, RESOURCE, TEST_LIB, Container, our_sockets, standin_state, start_standin,
+                           wait_registered, wait_until)
 from rig.kubelet_standin import AdmissionLog
 from rig.metrics_scrape import parse, value
 

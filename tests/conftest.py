@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from rig.harness import Daemon, fake_dev_root, wait_until
+from rig.harness import DaemonUnderTest, fake_dev_root, wait_until
 from rig.kubelet_standin import MODES, Kubelet
 
 
@@ -22,13 +22,15 @@ def pytest_configure(config):
 
 # Files whose tests take minutes, run first: `make test` hands files to its workers in this
 # order (pytest-xdist), and a long one begun last would run on alone at the end.
-FIRST = ("test_simulation.py", "test_install.py", "test_registration.py", "test_packaging.py", "test_daemon.py",
-         "test_faults.py", "test_cri_runtime.py", "test_systemd.py")
+FIRST = ("simulation/test_simulation.py", "systemd/test_install.py", "process/test_registration.py",
+         "systemd/test_packaging.py", "process/test_daemon.py", "process/test_faults.py", "runtime/test_cri_runtime.py",
+         "systemd/test_systemd.py")
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+    items.sort(key=lambda item: rank.get(os.path.relpath(item.path, TESTS), len(FIRST)))  # stable: the rest keep their order
 
 
 def pytest_collection_finish(session):
@@ -84,7 +86,7 @@ def start_daemon(tmp_path, plugin_dir, dev_root):
     def start(**kwargs):
         kwargs.setdefault("plugin_dir", plugin_dir)
         kwargs.setdefault("dev_root", dev_root)
-        d = Daemon(str(tmp_path / "run"), **kwargs)
+        d = DaemonUnderTest(str(tmp_path / "run"), **kwargs)
         started.append(d)
         return d
 

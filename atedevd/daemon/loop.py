@@ -294,7 +294,7 @@ class Daemon:
                               reload_ok=self.process.reload_error is None, wall_offset=self._wall_offset.current())
 
 
-# (A type checker cannot tie each key to its function's parameter: tests/test_dispatch.py does.)
+# (A type checker cannot tie each key to its function's parameter: tests/meta/test_dispatch.py does.)
 _DO: Dict[type, Callable[..., None]] = {
     StartWork: Daemon._start_work, Status: Daemon._status, Ready: Daemon._ready, WriteMetrics: Daemon._write_metrics,
     ServingBegan: Daemon._serving_began, WatchDirectories: Daemon._watch, machines.Send: Daemon._send, machines.StopSuccessor: Daemon._stop_successor,

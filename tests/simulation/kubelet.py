@@ -24,7 +24,7 @@ DIAL_TIMEOUT_S = 10.0
 DIAL_RETRY_S = 1.0
 
 
-class Client:
+class SimulatedClient:
     __slots__ = ("resource", "path", "conn", "streaming", "ended_at", "torn_down", "closed", "n", "knocked_out_by")
 
     def __init__(self, resource: str, path: str, n: int):
@@ -42,10 +42,10 @@ class Client:
         return f"client#{self.n}({self.path} streaming={self.streaming} torn_down={self.torn_down})"
 
 
-class Endpoint:
+class SimulatedEndpoint:
     __slots__ = ("client", "path", "stopped_at", "stopped_by")
 
-    def __init__(self, client: Optional[Client], path: Optional[str], stopped_at: Optional[float] = None):
+    def __init__(self, client: Optional[SimulatedClient], path: Optional[str], stopped_at: Optional[float] = None):
         self.client = client
         self.path = path
         self.stopped_at = stopped_at
@@ -59,10 +59,10 @@ class Incarnation:
         self.n = n
         self.alive = True
         self.listening = False
-        self.clients: Dict[str, object] = {}  # 1.32: name -> Client; current: name -> [Client]
-        self.all_clients: List[Client] = []
-        self.endpoints: Dict[str, Endpoint] = {}
-        self.store: Dict[str, Dict[str, Endpoint]] = {}  # current: name -> path -> endpoint
+        self.clients: Dict[str, object] = {}  # 1.32: name -> SimulatedClient; current: name -> [SimulatedClient]
+        self.all_clients: List[SimulatedClient] = []
+        self.endpoints: Dict[str, SimulatedEndpoint] = {}
+        self.store: Dict[str, Dict[str, SimulatedEndpoint]] = {}  # current: name -> path -> endpoint
         self.healthy: Dict[str, int] = {}  # name -> healthy device count
         self.accepted: List[tuple] = []  # (resource, path, arrived_at, client) of Registers that returned OK
         self.in_flight = 0
@@ -96,7 +96,7 @@ class KubeletModel:
         inc = self.inc = Incarnation(self.incarnations)
         self.w.note("kubelet", f"#{inc.n} starts")
         for name in self.checkpoint:  # known resources come back at capacity 0, endpoint stopped
-            inc.endpoints[name] = Endpoint(None, None, stopped_at=self.w.now)
+            inc.endpoints[name] = SimulatedEndpoint(None, None, stopped_at=self.w.now)
             inc.healthy[name] = 0
         self.w.fs.make_dir()  # (kubelet makes its directory, if it is gone)
         self.w.fs.wipe()
@@ -131,7 +131,7 @@ class KubeletModel:
             return
         inc.in_flight += 1
         self._clients += 1
-        c = Client(resource, path, self._clients)
+        c = SimulatedClient(resource, path, self._clients)
         inc.all_clients.append(c)
         if self.mode == "1.32":
             inc.clients[resource] = c  # replaces; the old client is not closed
@@ -184,10 +184,10 @@ class KubeletModel:
             if c.path in inc.store.get(c.resource, {}):
                 self._disconnect(c)
                 return self._fail(call, f"device plugin already connected: {c.path}")
-            e = Endpoint(c, c.path)
+            e = SimulatedEndpoint(c, c.path)
             inc.store.setdefault(c.resource, {})[c.path] = e
         else:
-            e = Endpoint(c, c.path)
+            e = SimulatedEndpoint(c, c.path)
         inc.endpoints[c.resource] = e
         self.checkpoint[c.resource] = 1
         self._step("before_stream", self._run_client, inc, c)
@@ -205,7 +205,7 @@ class KubeletModel:
 
     # --- ListAndWatch ----------------------------------------------------------------------
 
-    def _run_client(self, inc: Incarnation, c: Client) -> None:
+    def _run_client(self, inc: Incarnation, c: SimulatedClient) -> None:
         """c.Run(): ListAndWatch; when it cannot open (connection gone), the teardown runs all the same."""
         if not inc.alive or c.closed:
             return
@@ -214,28 +214,28 @@ class KubeletModel:
             return
         c.streaming = True
 
-    def devices_sent(self, c: Client, healthy: int) -> None:
+    def devices_sent(self, c: SimulatedClient, healthy: int) -> None:
         """A ListAndWatch message arrives: it replaces the resource's device set."""
         inc = self.inc
         if inc is None or not inc.alive or c not in inc.all_clients or not c.streaming:
             return
         inc.healthy[c.resource] = healthy
 
-    def stream_closed(self, c: Client) -> None:
+    def stream_closed(self, c: SimulatedClient) -> None:
         """The plugin ended the stream, or its connection dropped: Recv returns."""
         inc = self.inc
         if inc is None or c not in inc.all_clients or not c.streaming:
             return
         self._stream_ended(inc, c)
 
-    def _stream_ended(self, inc: Incarnation, c: Client) -> None:
+    def _stream_ended(self, inc: Incarnation, c: SimulatedClient) -> None:
         c.streaming = False
         c.ended_at = self.w.now
         if not inc.alive:
             return
         self._step("teardown", self._teardown_lookup, inc, c)
 
-    def _teardown_lookup(self, inc: Incarnation, c: Client) -> None:
+    def _teardown_lookup(self, inc: Incarnation, c: SimulatedClient) -> None:
         if not inc.alive:
             return
         if self.mode == "1.32":
@@ -247,7 +247,7 @@ class KubeletModel:
             return
         self._step("teardown_lookup", self._teardown, inc, c, found)
 
-    def _teardown(self, inc: Incarnation, c: Client, found: Client) -> None:
+    def _teardown(self, inc: Incarnation, c: SimulatedClient, found: SimulatedClient) -> None:
         if not inc.alive:
             return
         self.w.note("kubelet", f"teardown of {c} disconnects {found}")
@@ -258,7 +258,7 @@ class KubeletModel:
         self._plugin_disconnected(inc, c.resource, found.path)
         c.torn_down = self.w.now
 
-    def _deregister(self, inc: Incarnation, c: Client) -> None:
+    def _deregister(self, inc: Incarnation, c: SimulatedClient) -> None:
         if self.mode == "1.32":
             inc.clients.pop(c.resource, None)  # whatever is there now
         else:
@@ -268,7 +268,7 @@ class KubeletModel:
             if not lst:
                 inc.clients.pop(c.resource, None)
 
-    def _disconnect(self, c: Client) -> None:
+    def _disconnect(self, c: SimulatedClient) -> None:
         c.closed = True
         if c.conn is not None:
             conn, c.conn = c.conn, None
@@ -385,7 +385,7 @@ class KubeletModel:
             out.append(f"duplicate Registers in one kubelet process: {dup}")
         return out
 
-    def _orphan_caused(self, c: Client) -> bool:
+    def _orphan_caused(self, c: SimulatedClient) -> bool:
         """`c` is an orphan, or was knocked out by one, or by one that was (a teardown by name
         of a client an orphan's teardown knocked out lands on the next: the same cause)."""
         by_path = {x.path: x for x in self.inc.all_clients}
