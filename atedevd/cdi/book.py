@@ -94,7 +94,7 @@ class SpecBook:
         return cdi.document(self.resource, list(self._entries().values()))
 
     def adopt(self, on_disk: object) -> bool:
-        """While two daemons serve (an upgrade's handover), each may have answered with names the
+        """While two daemons serve (an upgrade), each may have answered with names the
         other has not seen: the devices of the spec on disk that we lack become ours, kept as our
         own are (and left out as ours are, when another unit is granted their node). True when
         there were any."""

@@ -5,7 +5,7 @@ alone (the same judgement as the configuration's, atedevd/trust.py) and nothing 
 followed: a temporary file is created beside the spec with O_EXCL|O_NOFOLLOW (a link or
 a file planted by that name is refused, never written through), fsynced, and renamed over
 the spec (a rename replaces a planted link itself). A runtime reading the directory sees
-the old spec or the new one, never a part. Two daemons (an upgrade's handover) write one
+the old spec or the new one, never a part. Two daemons (an upgrade) write one
 resource's spec in turn: the directory's flock serialises each read-merge-write.
 Temporary names end in `.tmp`, which the runtimes' scan skips (`*.json`, `*.yaml` only).
 """

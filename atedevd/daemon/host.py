@@ -7,23 +7,24 @@ servers, the Register and pod-resources calls, the journal. The simulation
 kubelet and the directory, on its own clock: that is all it fakes.
 
 Outcomes of calls come back through `post` (onto the loop, never on a gRPC
-thread), already typed: `Outcome` for Register, `Listing` for pod-resources.
+thread), already typed: a `RegisterDone` for Register, an `Allocatable` for pod-resources.
 """
 
 import logging
 import os
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from atedevd.kubelet import sockets
-from atedevd.kubelet.calls import KUBELET_SOCKET, AllocatableCall, RegisterCall, not_listening, pod_resources_socket
+from atedevd.kubelet.calls import KUBELET_SOCKET, Allocatable, AllocatableCall, RegisterCall, pod_resources_socket
 from atedevd.kubelet.plugin import PluginServer, Workers
-from atedevd.registration.messages import Listing, Outcome
+from atedevd.registration.messages import RegisterDone
 from atedevd.systemd import event
 
 if TYPE_CHECKING:
     from atedevd.cdi.keeper import Specs
+    from atedevd.daemon.watch import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class Host:
     exists = staticmethod(os.path.exists)
     listening = staticmethod(sockets.listening)  # someone accepts connections on that socket
     cdi: Optional["Specs"] = None  # the daemon's CDI specs (atedevd/cdi/keeper.py), set by the daemon
+    watcher: Optional["Watcher"] = None  # the loop's (atedevd/daemon/watch.py), set by the daemon before its start
 
     def __init__(self, plugin_dir: str, workers: Workers, post: Callable[[Callable[[], None]], None]) -> None:
         self.plugin_dir = plugin_dir
@@ -89,6 +91,11 @@ class Host:
             return None
         return st.st_ino, st.st_ctime_ns
 
+    def watch(self, directories: FrozenSet[str]) -> None:
+        """Watch exactly these directories from now on (the loop reads the events)."""
+        assert self.watcher is not None
+        self.watcher.want(directories)
+
     @staticmethod
     def make_dir(path: str) -> None:
         try:
@@ -100,16 +107,15 @@ class Host:
         """A plugin server for `device` at `path`, not started; `on_event(StreamEvent)` runs on the loop."""
         return PluginServer(device, path, self.workers, slots, lambda kind: self.post(partial(on_event, kind)), allocations)
 
-    def register(self, resource: str, endpoint: str, done: Callable[[Outcome, Optional[str]], None]):
-        """Register `endpoint` for `resource`; `done(outcome, error)` on the loop. Returns the call (cancel())."""
-        call = RegisterCall(self.plugin_dir, resource, endpoint,
-                            lambda c, _result, error: self.post(partial(self._register_done, c, error, done)))
+    def register(self, resource: str, endpoint: str, cid: int, done: Callable[[RegisterDone], None]) -> RegisterCall:
+        """Register `endpoint` for `resource` (the machine's call `cid`); `done` on the loop. Returns the call (cancel())."""
+        call = RegisterCall(self.plugin_dir, resource, endpoint, cid, self.post, done)
         self.workers.registering()
         return call
 
-    def ask_allocatable(self, path: str, done: Callable[[Listing, dict, Optional[str]], None]):
-        """How many devices kubelet lists per resource: `done(listing, {resource: count}, error)` on the loop."""
-        return AllocatableCall(path, lambda c, result, error: self.post(partial(self._ask_done, c, result, error, done)))
+    def ask_allocatable(self, path: str, done: Callable[[Allocatable], None]) -> AllocatableCall:
+        """How many devices kubelet lists per resource: `done` on the loop."""
+        return AllocatableCall(path, self.post, done)
 
     def say(self, level: int, kind: str, text: str, once: Optional[str] = None, **fields: str) -> None:
         """A journal line (`once`: a key said at most once per daemon)."""
@@ -121,25 +127,3 @@ class Host:
             log.debug("%s", text)
         else:
             event(level, kind, text, **fields)
-
-    @staticmethod
-    def _register_done(call: RegisterCall, error: Optional[str], done) -> None:
-        call.close()
-        if error is None:
-            done(Outcome.OK, None)
-        else:
-            done(Outcome.REFUSED if not_listening(call.code) else Outcome.FAILED, error)
-
-    @staticmethod
-    def _ask_done(call: AllocatableCall, result: Optional[dict], error: Optional[str], done) -> None:
-        call.close()
-        if error is None and result is not None:
-            done(Listing.LISTED, {name: len(ids) for name, ids in result.items()}, None)
-        elif not_listening(call.code):
-            done(Listing.REFUSED, {}, error)
-        elif call.code is not None and call.code.name == "UNIMPLEMENTED":
-            done(Listing.ABSENT, {}, error)
-        elif call.code is not None and call.code.name == "RESOURCE_EXHAUSTED":  # kubelet's rate limit
-            done(Listing.EXHAUSTED, {}, error)
-        else:
-            done(Listing.FAILED, {}, error)

@@ -7,8 +7,8 @@ upgrade's channel. The loop hands them to the `Process` (atedevd/glue/process.py
 glue the simulation runs too, which tells the `PluginDir` and the upgrade's machines
 and says what the process must do; registration decisions live in
 `atedevd/registration/` (no I/O). What stays here is the I/O of the process: the
-loop, signals, sd_notify, the configuration's reload, the upgrade's successor and
-channel, and the metrics file.
+loop, signals, sd_notify, reading the configuration file, starting the upgrade's
+successor and its channel, and the metrics file.
 """
 
 import gc
@@ -28,8 +28,8 @@ from atedevd.daemon.host import Host
 from atedevd.daemon.watch import Watcher
 from atedevd.glue import metrics
 from atedevd.glue.plugin_dir import PluginDir
-from atedevd.glue.process import (Process, ProcessAction, Ready, ServingBegan, StartWork, Status, WatchDirectories,
-                                  WriteMetrics)
+from atedevd.glue.process import (Process, ProcessAction, ReadConfig, Ready, Reloading, ServingBegan, StartSuccessor,
+                                  StartWork, Status, WriteMetrics)
 from atedevd.kubelet import sockets
 from atedevd.kubelet.calls import warm_up
 from atedevd.kubelet.plugin import Workers
@@ -66,29 +66,26 @@ class Daemon:
         self._run_id = sockets.new_run_id()
         self.host = Host(cfg.device_plugin_dir, self._workers, self.inbox.post)
         self.cdi = self.host.cdi = cdi_keeper.Specs(self.host.say, sharing=parent is not None)  # a successor keeps its predecessor's
-        plugins = PluginDir(cfg.device_plugin_dir, cfg.dev_root, cfg.sys_root, self.host, self._run_id, self._serve_failed)
-        if parent is not None:  # serve, but register once the predecessor says so
-            plugins.on_hold, plugins.inherited = True, parent.inherited
-        self.process = Process(plugins, successor=parent is not None)
-        self.plugins = plugins
+        self.plugins = PluginDir(cfg.device_plugin_dir, cfg.dev_root, cfg.sys_root, self.host, self._run_id, self._serve_failed)
+        # A successor serves what its predecessor served, and registers once it says so.
+        self.process = Process(self.plugins, inherited=parent.inherited if parent is not None else None)
 
     # --- life cycle -----------------------------------------------------------
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; the caller has taken the instance lock."""
         os.umask(0o077)  # our sockets: owner only
-        self._watcher = Watcher()
+        self._watcher = self.host.watcher = Watcher()
         self._sig_r, sig_w = _pipe()
         signal.set_wakeup_fd(sig_w)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)  # the loop reads the number from the wakeup fd
-        self.plugins.kubelet.refresh(created=False, events_lost=True)
-        self._apply(self.cfg, first=True)
+        set_level(self.cfg.log_level)
+        self._perform(self.process.start(time.monotonic(), self.cfg))  # (on the threads __init__ started)
         self._info = metrics.DaemonInfo.current()
         self._wall_offset = textfile.WallOffset()
         self.notifier.ready(self.process.status())
         event(INFO, "started", f"atedevd serving {self.process.summary()} in {self.cfg.device_plugin_dir}")
-        self.process.started(time.monotonic())
         try:
             if self.peers.parent is not None and self.plugins.kubelet.serving:
                 warm_up(self.cfg.device_plugin_dir)  # held: the Register on GO need not pay for grpc's first channel
@@ -162,7 +159,7 @@ class Daemon:
             event(INFO, "stopping", "stopping: removing our sockets")
         self.plugins.close(time.monotonic())  # (the CDI specs stay: kubelet's checkpointed answers name them)
         sockets.remove_standby_dir(self.cfg.device_plugin_dir)  # nothing of ours left in kubelet's directory
-        self._write_metrics(force=True)  # the last word: every resource stopped, not registered (not after a handover: off)
+        self._write_metrics(force=True)  # the last word: every resource stopped, not registered (not after an upgrade: the successor writes them)
         self._workers.shutdown(wait=False)
         self._watcher.close()
 
@@ -178,8 +175,9 @@ class Daemon:
         for signum in signums:
             if signum in (signal.SIGTERM, signal.SIGINT):
                 self._begin_stop()
-            elif signum == signal.SIGHUP and not self.plugins.stopping and self.process.upgrading is None:
-                self._reload()
+            elif signum == signal.SIGHUP:
+                upgraded = self._installed is not None and upgrade.fingerprint() != self._installed
+                self._perform(self.process.hangup(time.monotonic(), upgraded))
 
     # --- serving --------------------------------------------------------------
 
@@ -196,63 +194,36 @@ class Daemon:
     def _serving_began(self, a: ServingBegan) -> None:
         self._bind.served()
 
-    def _watch(self, a: WatchDirectories) -> None:
-        self._watcher.want(a.directories)
+    # --- a reload, or an upgrade handed to a warm successor (atedevd/upgrade/machines.py) --------------
 
-    # --- configuration --------------------------------------------------------------
-
-    def _apply(self, cfg: Config, first: bool = False) -> None:
-        """Adopt `cfg`: the node adds, removes and changes resources (atedevd/glue/plugin_dir.py)."""
-        if not first and cfg.device_plugin_dir != self.cfg.device_plugin_dir:
-            event(WARNING, "reload", f"device_plugin_dir cannot change on reload; still using {self.cfg.device_plugin_dir} (restart to change it)")
-            cfg = cfg._replace(device_plugin_dir=self.cfg.device_plugin_dir)
-        set_level(cfg.log_level)
-        if not first and cfg.metrics_dir != self.cfg.metrics_dir:
-            self.metrics = textfile.TextfileWriter(textfile.resolve_dir(cfg.metrics_dir))
-        self.cfg = cfg
-        if not first:  # the first pass runs on the threads started in __init__; run() starts the rest
-            self._workers.grow(len(cfg.devices))
-        now = time.monotonic()
-        self.cdi.configure(cfg)  # before a resource's first snapshot
-        self.plugins.apply(cfg.devices, cfg.dev_root, cfg.sys_root, now)
-        dirs = self.plugins.directories_to_watch()  # (at once: what happens there from now on is news)
-        if dirs is not None:
-            self._watcher.want(dirs)
-        if self.plugins.reconcile(now):
-            self._bind.served()
-
-    def _reload(self) -> None:
+    def _reloading(self, a: Reloading) -> None:
         self.notifier.reloading()
-        if self._installed is not None and upgrade.fingerprint() != self._installed:
-            self._upgrade()
-            return
+
+    def _read_config(self, a: ReadConfig) -> None:
+        """The file read again and checked; what only a restart can change stays as it is."""
         try:
             cfg = load(self.config_path, required=self.config_required, overrides=self.overrides)
         except ConfigError as e:
-            self.process.reload_error = str(e).splitlines()[0]
-            event(logging.ERROR, "reload-failed", f"reload failed; keeping the running configuration:\n{e}")
-        else:
-            self.process.reload_error = None
-            self.plugins.accept_nodes()  # the checked configuration accepts the nodes there now
-            self._apply(cfg)
-            event(INFO, "reloaded", f"configuration reloaded: {self.process.summary()}")
-        self.notifier.ready(self.process.status())
-
-    # --- an upgrade, handed to a warm successor (atedevd/upgrade/machines.py) --------------------------
-
-    def _upgrade(self) -> None:
-        """The installed atedevd is another: start it, and hand over to it once it is ready."""
-        served = [r.name for r in self.plugins.resources.values() if r.advertised]
-        try:
-            self.peers.start_successor(self.lock_fd, served)
-        except OSError as e:
-            event(logging.ERROR, "upgrade", f"upgrade: cannot start the new atedevd: {e}; the running one serves on")
-            self.notifier.ready(self.process.status())
+            self._perform(self.process.reload_failed(time.monotonic(), str(e)))
             return
-        overlap = self.cfg.kubelet_endpoints == "per-socket"
-        event(INFO, "upgrade", f"upgrade: the installed atedevd is not the one running; started it "
-              f"to hand over to, {'beside us (kubelet tracks endpoints per socket)' if overlap else 'once kubelet has let go of us'}")
-        self.process.upgrade(time.monotonic(), overlap)
+        if cfg.device_plugin_dir != self.cfg.device_plugin_dir:
+            event(WARNING, "reload", f"device_plugin_dir cannot change on reload; still using {self.cfg.device_plugin_dir} (restart to change it)")
+            cfg = cfg._replace(device_plugin_dir=self.cfg.device_plugin_dir)
+        set_level(cfg.log_level)
+        if cfg.metrics_dir != self.cfg.metrics_dir:
+            self.metrics = textfile.TextfileWriter(textfile.resolve_dir(cfg.metrics_dir))
+        self.cfg = cfg
+        self._workers.grow(len(cfg.devices))
+        self._perform(self.process.reloaded(time.monotonic(), cfg))
+
+    def _start_successor(self, a: StartSuccessor) -> None:
+        """The installed atedevd is another: start it; the process hands over once it is ready."""
+        try:
+            self.peers.start_successor(self.lock_fd, list(a.served))
+        except OSError as e:
+            self._perform(self.process.successor_failed(time.monotonic(), str(e)))
+        else:
+            self._perform(self.process.successor_started(time.monotonic()))
 
     # --- the process's actions (atedevd/glue/process.py) ------------------------------------------
 
@@ -297,7 +268,8 @@ class Daemon:
 # (A type checker cannot tie each key to its function's parameter: tests/meta/test_dispatch.py does.)
 _DO: Dict[type, Callable[..., None]] = {
     StartWork: Daemon._start_work, Status: Daemon._status, Ready: Daemon._ready, WriteMetrics: Daemon._write_metrics,
-    ServingBegan: Daemon._serving_began, WatchDirectories: Daemon._watch, machines.Send: Daemon._send, machines.StopSuccessor: Daemon._stop_successor,
+    ServingBegan: Daemon._serving_began, Reloading: Daemon._reloading, ReadConfig: Daemon._read_config,
+    StartSuccessor: Daemon._start_successor, machines.Send: Daemon._send, machines.StopSuccessor: Daemon._stop_successor,
     machines.MainPid: Daemon._main_pid, machines.Exit: Daemon._exit, machines.BecomeMain: Daemon._become_main,
     Say: Daemon._say,
 }

@@ -3,9 +3,9 @@
 It turns the machine's actions into binds, renames, Register and pod-resources
 calls, stream endings and journal lines. It never calls the machine: an outcome
 known at once (a socket bound, a Register refused because nobody listens) is
-returned, and `Resource.handle` feeds it back in; one that comes later (a call's
-answer, kubelet's stream opening or ending, a hang-up) goes to `deliver`, which the
-host runs on the loop. All of it goes through a `Host` (atedevd/daemon/host.py: sockets,
+returned, and goes back to the plugin directory, which hands it in; one that comes
+later (a call's answer, kubelet's stream opening or ending, a hang-up) goes to
+`deliver`, on the loop, typed: each call has one callback. All of it goes through a `Host` (atedevd/daemon/host.py: sockets,
 gRPC calls, the clock, the journal); the simulation (tests/simulation) runs this
 same performer on a host of its own, so only the I/O beneath it is ever faked.
 It decides nothing: `atedevd/registration/` does.
@@ -23,6 +23,7 @@ from atedevd.registration.messages import Listing, Outcome
 
 if TYPE_CHECKING:
     from atedevd.glue.seams import HostIO, PendingCall, Server
+    from atedevd.kubelet.calls import Allocatable
     from atedevd.kubelet.pod_resources import PodResourcesClient
 
 # What a plugin server reports, as machine events.
@@ -94,8 +95,7 @@ class Performer:
         if not self.host.listening(self.host.kubelet_socket):  # kubelet.sock made, not yet listened on
             return m.RegisterDone(a.cid, Outcome.REFUSED, "kubelet is not accepting connections")
         self.registers_sent += 1
-        self._calls[a.cid] = self.host.register(self.name, os.path.basename(server.socket_path),
-                                                lambda outcome, error: self._register_done(a.cid, outcome, error))
+        self._calls[a.cid] = self.host.register(self.name, os.path.basename(server.socket_path), a.cid, self._registered)
         device = self.owner.device  # (said once the Register is on its way: a journal line costs ~1 ms cold)
         self.host.say(logging.INFO if self.registers_sent == 1 else logging.DEBUG, "serving",
                       f"{self.name}: serving {self.owner.snapshot.units} units of {device.path} on {server.socket_path}",
@@ -106,7 +106,7 @@ class Performer:
         path = self.host.pod_resources_socket
         if not self.host.exists(path):
             return m.Listed(a.cid, Listing.ABSENT)
-        self._calls[a.cid] = self.pod_resources.ask(lambda listing, counts, error: self._ask_done(a.cid, listing, counts, error))
+        self._calls[a.cid] = self.pod_resources.ask(partial(self._listed, a.cid))
         return None
 
     def _count(self, a: m.CountConnections) -> m.Event:
@@ -115,7 +115,7 @@ class Performer:
         paths = [self.servers[s].bind_path for s in a.sids if s in self.servers]
         if not paths:
             return m.ConnectionsCounted(0)
-        held, watched = self.host.count_connections(self, paths, lambda: self.deliver(m.HungUp()))
+        held, watched = self.host.count_connections(self, paths, partial(self.deliver, m.HungUp()))
         return m.ConnectionsCounted(held, watched)
 
     def _cancel(self, a: m.CancelCall) -> None:
@@ -157,15 +157,15 @@ class Performer:
         else:
             self.deliver(_STREAM_EVENTS[kind](sid))
 
-    def _register_done(self, cid: int, outcome: Outcome, error: Optional[str]) -> None:
-        self._calls.pop(cid, None)
-        self.deliver(m.RegisterDone(cid, outcome, error or ""))
+    def _registered(self, done: m.RegisterDone) -> None:
+        self._calls.pop(done.cid, None)
+        self.deliver(done)
 
-    def _ask_done(self, cid: int, listing: Listing, counts: dict, error: Optional[str]) -> None:
+    def _listed(self, cid: int, answer: "Allocatable") -> None:
         self._calls.pop(cid, None)
-        if listing is Listing.FAILED:
-            self.host.say(logging.DEBUG, "pod-resources", f"{self.name}: pod-resources did not answer: {error}")
-        self.deliver(m.Listed(cid, listing, counts.get(self.name, 0)))
+        if answer.listing is Listing.FAILED:
+            self.host.say(logging.DEBUG, "pod-resources", f"{self.name}: pod-resources did not answer: {answer.error}")
+        self.deliver(m.Listed(cid, answer.listing, answer.counts.get(self.name, 0)))
 
     # --- for the owner -----------------------------------------------------------------------------
 

@@ -11,13 +11,15 @@ served match what exists. All I/O goes through the host.
 import itertools
 import logging
 import os
-from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Union
 
 import inotify.constants as ic
 
 from atedevd.config import Device
 from atedevd.devices.claims import Claims
 from atedevd.glue.resource import Resource
+from atedevd.glue.resource_events import (AcceptNodes, CheckSockets, Configure, KubeletStarted, NodesMayHaveChanged,
+                                          Reconcile, TimerDue)
 from atedevd.kubelet import sockets
 from atedevd.kubelet.calls import KUBELET_SOCKET, KubeletView
 from atedevd.kubelet.pod_resources import PodResourcesClient
@@ -25,6 +27,9 @@ from atedevd.record import Record
 from atedevd.registration import messages as m
 from atedevd.registration.messages import State
 from atedevd.registration.report import Report
+
+if TYPE_CHECKING:
+    from atedevd.glue.seams import HostIO
 
 INFO = logging.INFO
 # Events after which some may be missing: look at kubelet.sock itself.
@@ -60,8 +65,22 @@ def interpret(events: Iterable, plugin_dir: str, resources: Iterable[str]) -> Di
     return DirectoryNews(created, lost, overflowed, news, frozenset(directories))
 
 
+class Standing(Record):
+    """Where the resources stand, as an upgrade's machines read it: handed to the process each
+    time it changes (atedevd/glue/process.py), never polled."""
+
+    ready_on_hold: bool  # a successor's: every resource bound, or not served at all
+    yielded: bool  # a predecessor's: kubelet let go of every stream
+    registered: bool  # every resource served is registered (kubelet streams our devices)
+
+
 class PluginDir:
-    def __init__(self, plugin_dir: str, dev_root: str, sys_root: str, host, run_id: str, serve_failed) -> None:
+    """kubelet's plugin directory and the resources served there. A resource is told through
+    `Resource.handle` alone and read through `view()` and `report()`; what it returns (the
+    outcomes known at once) is handed back in here, in turn, as what comes later is."""
+
+    def __init__(self, plugin_dir: str, dev_root: str, sys_root: str, host: "HostIO", run_id: str,
+                 serve_failed: Callable[[str, OSError], bool]) -> None:
         self.plugin_dir = plugin_dir
         self.dev_root, self.sys_root = dev_root, sys_root  # where nodes are looked up, and the kernel's account of them
         self.host = host
@@ -79,6 +98,43 @@ class PluginDir:
         self.inherited: FrozenSet[str] = frozenset()  # a successor's: the resources its predecessor served
         self.claims = Claims(self._poke)  # which resources reach which node: no node is two's (atedevd/devices/claims.py)
         self._watched: FrozenSet[str] = frozenset()  # the directories the watcher was last asked for
+        self._standing: Optional[Standing] = None
+        self._news: List[Standing] = []  # for the process, since it last took them
+
+    # --- telling a resource ----------------------------------------------------------------------
+
+    def tell(self, now: float, r: Resource, event: Union[m.Event, Record]) -> None:
+        """`event` for `r`, then each outcome it returns, in turn, until none is left."""
+        pending = r.handle(now, event)
+        while pending:  # (in the order they came: an outcome's own outcomes after its siblings)
+            now = self.host.monotonic()
+            pending = [later for outcome in pending for later in r.handle(now, outcome)]
+        self._stood()
+
+    def delivered(self, r: Resource, event: m.Event) -> None:
+        """What comes back later for `r` (a call's answer, a stream opened or ended), on the loop."""
+        self.tell(self.host.monotonic(), r, event)
+
+    def tell_all(self, now: float, event: m.Event) -> None:
+        """Every resource's registration is told: an upgrade's step (`Yield`, `TakeBack`,
+        `RegisterAgain`, `Release`), or the last word (`CloseAll`)."""
+        for r in self.all_resources():
+            self.tell(now, r, event)
+
+    def _stood(self) -> None:
+        """Where the resources stand changed: the process is told (an upgrade waits on it)."""
+        views = [r.view() for r in self.resources.values()]
+        standing = Standing(all(v.ready_on_hold for v in views), all(v.yielded for v in views),
+                            all(v.state is State.REGISTERED or (v.state is State.UNSERVED and not v.advertised)
+                                for v in views))
+        if standing != self._standing:
+            self._standing = standing
+            self._news.append(standing)
+
+    def news(self) -> List[Standing]:
+        """Where the resources stood at each change since the last call, oldest first."""
+        news, self._news = self._news, []
+        return news
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -92,31 +148,34 @@ class PluginDir:
         for name in list(self.resources):
             r = self.resources[name]
             if name not in wanted:  # it stops as at SIGTERM: kubelet lets go of it first (bounded)
-                r.handle(now, m.Stop())
+                self.tell(now, r, m.Stop())
                 self.leaving[name] = self.resources.pop(name)
                 self.host.say(INFO, "resource-removed", f"{name}: no longer configured; stopping serving it", resource=name)
-            elif wanted[name] != r.device or moved:
-                d = wanted[name]
-                how = "registering it anew" if r.reconfigure(d, dev_root, sys_root, now) else \
-                    f"{r.snapshot.units} units of {d.path} ({d.permissions}) go to kubelet on the open stream"
-                self.host.say(INFO, "resource-changed", f"{name}: configuration changed; {how}", resource=name)
+            elif wanted[name] != r.view().device or moved:
+                self.tell(now, r, Configure(wanted[name], dev_root, sys_root))
         for name, device in wanted.items():
             if name not in self.resources:
                 r = self.resources[name] = Resource(device, dev_root, sys_root, self.host, self.pod_resources,
-                                                    self.run_id, self.serve_failed,
-                                                    self._numbers.setdefault(name, itertools.count(1)), self.claims)
-                r.advertised |= name in self.inherited  # its predecessor served it (Unhealthy, maybe): so do we
+                                                    self.run_id, self.serve_failed, self.delivered,
+                                                    self._numbers.setdefault(name, itertools.count(1)), self.claims,
+                                                    advertised=name in self.inherited)  # its predecessor served it: so do we
+        self._stood()
 
-    def accept_nodes(self) -> None:
+    def hold(self, inherited: FrozenSet[str]) -> None:
+        """An upgrade's successor, before its first configuration: serve what the predecessor
+        served (`inherited`), and register only once released."""
+        self.on_hold, self.inherited = True, inherited
+
+    def accept_nodes(self, now: float) -> None:
         """A reload checked the configuration: the nodes there now are the devices'."""
         for r in self.resources.values():
-            r.accept_nodes()
+            self.tell(now, r, AcceptNodes())
 
     def _poke(self, name: str) -> None:
         """Another resource reaches one of `name`'s nodes now, or no longer: it looks again at once."""
         r = self.resources.get(name)
         if r is not None:
-            r.nodes_may_have_changed()
+            r.handle(self.host.monotonic(), NodesMayHaveChanged())  # (nothing comes of it at once)
 
     def directories_to_watch(self) -> Optional[FrozenSet[str]]:
         """kubelet's directory and every directory whose events can change what a resource
@@ -124,13 +183,14 @@ class PluginDir:
         last call (None: unchanged). A change in a directory before its watch was armed has
         no event: every resource looks once more when one is new."""
         specs = self.host.cdi.directories() if self.host.cdi is not None else frozenset()
-        dirs = frozenset().union(*(r.directories for r in self.resources.values())) | {self.plugin_dir} | specs
+        dirs = frozenset().union(*(r.view().directories for r in self.resources.values())) | {self.plugin_dir} | specs
         if dirs == self._watched:
             return None
         new, self._watched = dirs - self._watched, dirs
         if new:
+            now = self.host.monotonic()
             for r in self.resources.values():
-                r.nodes_may_have_changed()
+                self.tell(now, r, NodesMayHaveChanged())
         return dirs
 
     # --- what happened ---------------------------------------------------------------------------
@@ -143,18 +203,18 @@ class PluginDir:
             self.host.cdi.changed(news.directories if not news.events_lost else self.host.cdi.directories())
         self.look_at_kubelet(now, news.kubelet_created, news.events_lost)
         for r in self.all_resources():
-            if news.events_lost or not news.directories.isdisjoint(r.directories):
-                r.nodes_may_have_changed()
-            r.check_sockets(now)
+            if news.events_lost or not news.directories.isdisjoint(r.view().directories):
+                self.tell(now, r, NodesMayHaveChanged())
+            self.tell(now, r, CheckSockets())
             if news.from_kubelet or news.events_lost:  # any news from kubelet's side cuts a retry wait short
-                r.handle(now, m.Nudge())
+                self.tell(now, r, m.Nudge())
         return news
 
     def look_at_kubelet(self, now: float, created: bool, lost: bool) -> None:
         """Tell every resource when kubelet.sock appeared anew or went away."""
         if self.kubelet.refresh(created, events_lost=lost):
             for r in self.all_resources():
-                r.kubelet_started(now, self.kubelet)
+                self.tell(now, r, KubeletStarted(self.kubelet.since))
         elif self.kubelet.gone:
             self.kubelet.gone = False
             self.tell_all(now, m.KubeletGone())
@@ -165,44 +225,35 @@ class PluginDir:
         at = self.pod_resources.deadline
         if at is not None and at <= now:
             self.pod_resources.on_timer(now)
-        if not self.stopping and any(r.retry_due(now) for r in self.resources.values()):
+        if not self.stopping and any(v.retry_at is not None and v.retry_at <= now
+                                     for v in (r.view() for r in self.resources.values())):
             self.look_at_kubelet(now, created=False, lost=True)  # in case an event was lost
         for r in self.all_resources():
-            at = r.deadline
+            at = r.view().deadline
             if at is not None and at <= now:
-                r.on_timer(now)
+                self.tell(now, r, TimerDue())
         for name, r in list(self.leaving.items()):
-            if r.stopped:  # kubelet let go of it: gone, and a new one of its name may be served
-                r.handle(now, m.CloseAll())
+            if r.view().stopped:  # kubelet let go of it: gone, and a new one of its name may be served
+                self.tell(now, r, m.CloseAll())
                 del self.leaving[name]
                 if name not in self.resources and self.host.cdi is not None:
                     self.host.cdi.retire(name)  # its CDI spec goes with it
         return self.reconcile(now)
 
     def reconcile(self, now: float) -> bool:
-        """Make what is served match what exists: devices, the plugin directory, our sockets."""
+        """Make what is served match what exists: devices, the plugin directory, our sockets.
+        True when a resource began to be served."""
         if self.stopping:
             return False
         began = False
-        dir_ok = self.host.isdir(self.plugin_dir)
-        for r in self.resources.values():
-            r.look_at_device(now)
-            if not dir_ok:
-                r.handle(now, m.Unserve("the plugin directory is gone"))
-            elif r.advertised and r.name not in self.leaving:
-                if r.state is State.UNSERVED:
-                    r.serve(now, self.kubelet, self.on_hold)
-                    began |= r.state is not State.UNSERVED
-                r.check_sockets(now)
+        there = self.host.isdir(self.plugin_dir)
+        for name, r in self.resources.items():
+            unserved = r.view().state is State.UNSERVED
+            self.tell(now, r, Reconcile(there, self.kubelet.serving, self.kubelet.since, self.on_hold, name in self.leaving))
+            began |= unserved and r.view().state is not State.UNSERVED
         return began
 
     # --- an upgrade (atedevd/upgrade/machines.py), and the end -------------------------------------------
-
-    def tell_all(self, now: float, event: m.Event) -> None:
-        """Every resource's registration is told: an upgrade's step (`Yield`, `TakeBack`,
-        `RegisterAgain`), or the last word (`CloseAll`)."""
-        for r in self.all_resources():
-            r.handle(now, event)
 
     def all_resources(self) -> List[Resource]:
         """Every resource, and those no longer configured that kubelet has yet to let go of."""
@@ -223,44 +274,43 @@ class PluginDir:
         """Every socket of ours closed: the process exits."""
         self.tell_all(now, m.CloseAll())
 
-    @property
-    def ready_on_hold(self) -> bool:
-        return all(r.ready_on_hold for r in self.resources.values())
-
-    @property
-    def yielded(self) -> bool:
-        return all(r.yielded for r in self.resources.values())
-
-    @property
-    def registered(self) -> bool:
-        """Every resource served is registered (kubelet streams our devices)."""
-        return all(r.state is State.REGISTERED or (r.state is State.UNSERVED and not r.advertised)
-                   for r in self.resources.values())
-
     # --- what the loop asks ----------------------------------------------------------------------
 
     @property
     def stopped(self) -> bool:
-        return self.stopping and all(r.stopped for r in self.all_resources())
+        return self.stopping and all(r.view().stopped for r in self.all_resources())
 
     def deadline(self) -> Optional[float]:
         """When the loop must wake next for a timer (each machine's timers read once: the loop
         asks after every wake-up)."""
-        times = [at for at in (r.deadline for r in self.all_resources()) if at is not None]
+        times = [at for at in (r.view().deadline for r in self.all_resources()) if at is not None]
         at = self.pod_resources.deadline
         if at is not None:
             times.append(at)
         if not self.stopping and self.resources:  # the look at the nodes, news or not (every 2 s)
-            times.append(min(r.look_due for r in self.resources.values()))
+            times.append(min(r.view().look_due for r in self.resources.values()))
         return min(times) if times else None
 
     def registers_sent(self) -> bool:
         """Every resource's first Register is on its way (or it is not waiting for one)."""
-        return all(r.performer.registers_sent or r.state is not State.WAITING for r in self.resources.values())
+        return all(v.registers_sent or v.state is not State.WAITING for v in (r.view() for r in self.resources.values()))
+
+    @property
+    def idle(self) -> bool:
+        """No resource's registration has a timer set but the periodic ones, and no question waits."""
+        return self.pod_resources.deadline is None and all(r.view().idle for r in self.all_resources())
+
+    def served(self) -> List[str]:
+        """The resources served now (an upgrade's successor serves them too, from its start)."""
+        return [name for name, r in self.resources.items() if r.view().advertised]
+
+    def allocations(self) -> tuple:
+        """Each resource's Allocate calls and failures (counted on gRPC threads, read here)."""
+        return tuple((r.allocations.calls, r.allocations.failures) for r in self.resources.values())
 
     def reports(self) -> List[Report]:
         return [r.report() for r in self.resources.values()]
 
     def shown(self) -> tuple:
         """What the reports show: they changed when this did."""
-        return tuple(r.shown() for r in self.resources.values())
+        return tuple(r.view().shown for r in self.resources.values())

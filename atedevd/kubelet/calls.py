@@ -1,15 +1,18 @@
 """Calls to kubelet: Register, and pod-resources `GetAllocatableResources`.
 
-Both are asynchronous: the control loop starts a call and is told the outcome
-through a callback (posted to the loop), so a kubelet that hangs never blocks it.
+Both are asynchronous: the control loop starts a call and is told its outcome, typed,
+through one callback run on the loop (`post`: never on a gRPC thread), so a kubelet that
+hangs never blocks it: `RegisterDone` for Register, an `Allocatable` for pod-resources.
 """
 
 import os
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import grpc
 
 from atedevd.api import API_VERSION, PodResourcesStub, RegistrationStub, pb, prpb
+from atedevd.record import Record
+from atedevd.registration.messages import Listing, Outcome, RegisterDone
 
 KUBELET_SOCKET = "kubelet.sock"
 # kubelet dials our socket for up to 10 s inside Register; give it more.
@@ -73,15 +76,29 @@ class KubeletView:
         return new
 
 
-class _Call:
-    """One unary call in flight on its own channel; `on_done(call, result, error)`.
-    After it ends, `code` is its gRPC status code (None when it succeeded)."""
+Post = Callable[[Callable[[], None]], None]  # runs a callable on the loop (from a gRPC thread)
 
-    def __init__(self, target: str, on_done: Callable) -> None:
-        self.code: Optional[grpc.StatusCode] = None
-        self._on_done = on_done
+
+class Allocatable(Record):
+    """pod-resources' answer: how many devices kubelet lists per resource, or why there is none."""
+
+    listing: Listing
+    counts: Dict[str, int]  # {resource: device IDs kubelet holds allocatable}
+    error: Optional[str] = None
+
+
+class _Call:
+    """One unary call in flight on its own channel. Its end is read on a gRPC thread (`code`,
+    the result, the error) and finished on the loop (`post`): the channel closed, then the
+    outcome handed to the caller's one callback."""
+
+    def __init__(self, target: str, post: Post) -> None:
+        self.code: Optional[grpc.StatusCode] = None  # after it ends: None when it succeeded
+        self._post = post
         self._channel = grpc.insecure_channel("unix:" + target, options=_CHANNEL_OPTIONS)
         self._future: Optional[grpc.Future] = None
+        self._result: Any = None
+        self._error: Optional[str] = None
 
     def _begin(self, future: grpc.Future) -> None:
         self._future = future
@@ -92,49 +109,70 @@ class _Call:
             self._future.cancel()
 
     def _done(self, future: grpc.Future) -> None:
-        result, error = None, None
+        """On a gRPC thread: what the call ended with, then the rest on the loop."""
         if future.cancelled():
-            error, self.code = "cancelled", grpc.StatusCode.CANCELLED
+            self._error, self.code = "cancelled", grpc.StatusCode.CANCELLED
         else:
             exc = future.exception()
             if exc is not None:
-                error = describe(exc)
+                self._error = describe(exc)
                 self.code = exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             else:
-                result = future.result()
-        self._on_done(self, result, error)
+                self._result = future.result()
+        self._post(self._finish)
 
-    def close(self) -> None:
-        """Release the channel; called by the loop, never from a gRPC callback thread."""
+    def _finish(self) -> None:
+        """On the loop (a channel is never closed from its own callback thread)."""
         self._channel.close()
+        self._answer()
+
+    def _answer(self) -> None:
+        raise NotImplementedError
 
 
 class RegisterCall(_Call):
-    """Register `endpoint` (a socket file name in the plugin directory) for `resource`."""
+    """Register `endpoint` (a socket file name in the plugin directory) for `resource`: the
+    machine's call `cid`, answered with its `RegisterDone`."""
 
-    def __init__(self, plugin_dir: str, resource: str, endpoint: str, on_done: Callable) -> None:
-        super().__init__(os.path.join(plugin_dir, KUBELET_SOCKET), on_done)
+    def __init__(self, plugin_dir: str, resource: str, endpoint: str, cid: int, post: Post,
+                 done: Callable[[RegisterDone], None]) -> None:
+        super().__init__(os.path.join(plugin_dir, KUBELET_SOCKET), post)
+        self._cid, self._deliver = cid, done
         request = pb.RegisterRequest(
             version=API_VERSION, endpoint=endpoint, resource_name=resource, options=pb.DevicePluginOptions()
         )
         self._begin(RegistrationStub(self._channel).Register.future(request, timeout=REGISTER_TIMEOUT_S))
 
+    def _answer(self) -> None:
+        if self._error is None:
+            self._deliver(RegisterDone(self._cid, Outcome.OK, ""))
+        else:
+            outcome = Outcome.REFUSED if not_listening(self.code) else Outcome.FAILED
+            self._deliver(RegisterDone(self._cid, outcome, self._error))
+
 
 class AllocatableCall(_Call):
-    """Ask kubelet's pod-resources API which device IDs it counts as allocatable.
+    """Ask kubelet's pod-resources API how many device IDs it counts as allocatable, per resource."""
 
-    The result handed to `on_done` is {resource name: set of device IDs}.
-    """
-
-    def __init__(self, socket_path: str, on_done: Callable) -> None:
-        super().__init__(socket_path, on_done)
+    def __init__(self, socket_path: str, post: Post, done: Callable[[Allocatable], None]) -> None:
+        super().__init__(socket_path, post)
+        self._deliver = done
         stub = PodResourcesStub(self._channel)
         self._begin(stub.GetAllocatableResources.future(prpb.AllocatableResourcesRequest(), timeout=POD_RESOURCES_TIMEOUT_S))
 
-    def _done(self, future: grpc.Future) -> None:
-        if future.cancelled() or future.exception() is not None:
-            return super()._done(future)
-        self._on_done(self, allocatable_ids(future.result()), None)
+    def _answer(self) -> None:
+        code = self.code
+        if self._error is None and self._result is not None:
+            counts = {name: len(ids) for name, ids in allocatable_ids(self._result).items()}
+            self._deliver(Allocatable(Listing.LISTED, counts))
+        elif not_listening(code):
+            self._deliver(Allocatable(Listing.REFUSED, {}, self._error))
+        elif code is not None and code.name == "UNIMPLEMENTED":
+            self._deliver(Allocatable(Listing.ABSENT, {}, self._error))
+        elif code is not None and code.name == "RESOURCE_EXHAUSTED":  # kubelet's rate limit
+            self._deliver(Allocatable(Listing.EXHAUSTED, {}, self._error))
+        else:
+            self._deliver(Allocatable(Listing.FAILED, {}, self._error))
 
 
 def allocatable_counts(socket_path: str, timeout: float) -> Dict[str, int]:

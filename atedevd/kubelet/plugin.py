@@ -27,7 +27,7 @@ from atedevd.kubelet.sockets import MAX_SOCKET_PATH
 log = logging.getLogger(__name__)
 
 # Each ListAndWatch stream holds a worker thread for its whole life. kubelet
-# holds one per resource, two during a handover; one more leaves room for a
+# holds one per resource, two while one registration replaces another; one more leaves room for a
 # debugging client. Every resource has this budget of its own.
 STREAMS_PER_RESOURCE = 3
 # Workers that streams can never take, for Allocate and the other unary calls.
@@ -277,6 +277,7 @@ class PluginServer:
                     if stream.ended_by_us or not context.is_active():
                         return
                     sent = self._snapshot
+                assert sent is not None  # (published before the server started: the wait passes no None)
                 yield sent.response
                 if stream.primary:  # kubelet's: what it may allocate from until it has taken the next
                     self._sent.sent(sent, time.monotonic())
@@ -301,6 +302,7 @@ class PluginServer:
 
     def _allocate(self, request, context):
         snap = self._snapshot
+        assert snap is not None  # (published before the server started: no Allocate comes before it)
         resp = pb.AllocateResponse()
         earlier = lambda i: self._sent.earlier(i, time.monotonic())  # noqa: E731
         for n, creq in enumerate(request.container_requests):

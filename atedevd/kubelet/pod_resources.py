@@ -10,7 +10,13 @@ polling at 80 a second. A question asked while a call is in flight waits for the
 call: the answer must be newer than what made the question.
 """
 
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
+
+if TYPE_CHECKING:
+    from atedevd.glue.seams import HostIO
+    from atedevd.kubelet.calls import Allocatable
+
+Answer = Callable[["Allocatable"], None]
 
 RATE_PER_S = 20.0  # atedevd's calls a second at most, over all its resources ...
 BURST = 5  # ... after a quiet while, this many at once
@@ -19,7 +25,7 @@ BURST = 5  # ... after a quiet while, this many at once
 class _Question:
     __slots__ = ("done", "cancelled")
 
-    def __init__(self, done: Callable) -> None:
+    def __init__(self, done: Answer) -> None:
         self.done = done
         self.cancelled = False
 
@@ -30,17 +36,18 @@ class _Question:
 class PodResourcesClient:
     """Asks pod-resources for every resource of one daemon, through the host's I/O."""
 
-    def __init__(self, host) -> None:
+    def __init__(self, host: "HostIO") -> None:
         self.host = host
         self.deadline: Optional[float] = None  # the next call may go then (the budget)
         self.calls = 0  # made, over the daemon's life
         self._waiting: List[_Question] = []  # for the next call
+        self._riding: List[_Question] = []  # answered by the call in flight
         self._in_flight = False
         self._tokens = float(BURST)
         self._filled_at: Optional[float] = None
 
-    def ask(self, done: Callable) -> _Question:
-        """`done(listing, {resource: count}, error)` on the loop, with an answer newer than now."""
+    def ask(self, done: Answer) -> _Question:
+        """`done(Allocatable)` on the loop, with an answer newer than now."""
         q = _Question(done)
         self._waiting.append(q)
         self._pump()
@@ -64,14 +71,15 @@ class PodResourcesClient:
             self.deadline = now + max((1.0 - self._tokens) / RATE_PER_S, 0.001)
             return
         self._tokens -= 1.0
-        riding, self._waiting = self._waiting, []
+        self._riding, self._waiting = self._waiting, []
         self._in_flight = True
         self.calls += 1
-        self.host.ask_allocatable(self.host.pod_resources_socket, lambda *answer: self._answered(riding, answer))
+        self.host.ask_allocatable(self.host.pod_resources_socket, self._answered)
 
-    def _answered(self, riding: List[_Question], answer: tuple) -> None:
+    def _answered(self, answer: "Allocatable") -> None:
+        riding, self._riding = self._riding, []
         self._in_flight = False
         for q in riding:
             if not q.cancelled:
-                q.done(*answer)
+                q.done(answer)
         self._pump()

@@ -29,7 +29,7 @@ from atedevd.registration import messages as m
 from atedevd.registration.attempts import SLOW_RETRY_S, Retry
 from atedevd.registration.letgo import Purpose
 from atedevd.registration.messages import Listing, Outcome, State, Timer, Why
-from atedevd.registration.moves import (YIELD_STATES, IDLE, LETTING, SERVED, STREAMING, TRANSITIONS, VERIFY_S,
+from atedevd.registration.moves import (IDLE, LETTING, SERVED, STREAMING, TRANSITIONS, VERIFY_S, YIELD_STATES,
                                         InvalidTransition, Moves)
 from atedevd.registration.questions import Question
 from atedevd.registration.report import Report
@@ -88,9 +88,13 @@ class Registration:
                              self.check.deadline, self.questions.deadline, self.tally.deadline) if t is not None]
         return min(times) if times else None
 
-    def timer_due(self, timer: Timer, now: float) -> bool:
-        at = _DEADLINE[timer](self)
-        return at is not None and at <= now
+    def timer_at(self, timer: Timer) -> Optional[float]:
+        return _DEADLINE[timer](self)
+
+    @property
+    def idle(self) -> bool:
+        """No timer is set but the periodic count check: no retry, wait, question or warning."""
+        return all(deadline(self) is None for timer, deadline, _ in _TIMERS if timer is not Timer.CHECK)
 
     def handle_timer(self, now: float) -> None:
         """Whatever is due, each timer looked at in turn (one may set or stop another)."""
@@ -197,7 +201,7 @@ class Registration:
             if self.moves.state is State.WAITING:
                 self.moves.try_start(now)
 
-    def _hand_off(self, now: float, e: m.Yield) -> None:
+    def _yield(self, now: float, e: m.Yield) -> None:
         """Like a stop, but the standby stays: if the successor fails, we register again on it."""
         if self.moves.state is State.UNSERVED:  # served again later, it waits to be told to take back
             self.moves.hold(Why.TAKEN_BACK)
@@ -455,7 +459,7 @@ _DEADLINE = {timer: deadline for timer, deadline, _ in _TIMERS}
 _HANDLERS: Dict[type, Callable[..., None]] = {
     m.Serve: Registration._serve, m.Unserve: Registration._unserve, m.Publish: Registration._publish,
     m.Reconfigure: Registration._reconfigure, m.Stop: Registration._stop, m.CloseAll: Registration._close,
-    m.Release: Registration._release, m.Yield: Registration._hand_off, m.TakeBack: Registration._take_back,
+    m.Release: Registration._release, m.Yield: Registration._yield, m.TakeBack: Registration._take_back,
     m.RegisterAgain: Registration._register_again,
     m.KubeletCreated: Registration._kubelet_created, m.KubeletGone: Registration._kubelet_gone,
     m.SocketDeleted: Registration._socket_deleted, m.Nudge: Registration._nudge,

@@ -24,10 +24,10 @@ import logging
 from typing import List, Optional, Union
 
 from atedevd.record import Record
-from atedevd.registration.messages import Yield, RegisterAgain, Release, Say, TakeBack
+from atedevd.registration.messages import RegisterAgain, Release, Say, TakeBack, Yield
 
 READY_LIMIT_S = 30.0  # the successor imports, reads the configuration and binds its sockets by then
-LET_GO_LIMIT_S = 10.0  # kubelet lets go of our ended streams by then (the handover's own limit is 5 s)
+LET_GO_LIMIT_S = 10.0  # kubelet lets go of our ended streams by then (the let-go wait's own limit is 5 s)
 REGISTER_LIMIT_S = 30.0  # the successor is registered by then (kubelet's dial alone may take 10 s)
 STOP_LIMIT_S = 20.0  # a successor told to stop has stopped by then (its own let-go wait is 5 s)
 ORPHAN_LIMIT_S = 10.0  # kubelet's dial timeout: a Register of a successor that died is over by then
@@ -124,7 +124,7 @@ class Predecessor:
             self._fail(now, f"it said {message.value!r} while {self.phase.value}")
 
     def let_go(self, now: float) -> None:
-        """kubelet has let go of every stream we ended (or the handover's own limit passed)."""
+        """kubelet has let go of every stream we ended (or the let-go wait's own limit passed)."""
         if self.phase is UpgradePhase.YIELDING:
             self._go(now)
 

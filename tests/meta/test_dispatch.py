@@ -4,9 +4,10 @@ that some table forgets fails here, not in a node at run time."""
 import typing
 
 from atedevd.daemon import loop as daemon
-from atedevd.glue import performer, process
+from atedevd.glue import performer, process, resource, resource_events
+from atedevd.record import Record
 from atedevd.registration import machine, messages
-from atedevd.upgrade import machines as handoff
+from atedevd.upgrade import machines
 from tests.simulation import world
 
 
@@ -19,8 +20,16 @@ def test_the_machine_takes_every_event_and_the_performer_carries_out_every_actio
     assert set(performer._DO) == subclasses(messages.Action)
 
 
+def test_a_resource_takes_every_event_of_its_own_and_none_is_also_its_machine_s():
+    """`Resource.handle`: a registration event goes to the machine, the rest to its own table."""
+    own = {c for c in vars(resource_events).values() if isinstance(c, type) and issubclass(c, Record)
+           and c.__module__ == resource_events.__name__ and c is not resource_events.ResourceView}
+    assert set(resource._TOLD) == own == set(resource_events.EVENTS)
+    assert not any(issubclass(c, messages.Event) for c in own)
+
+
 def test_the_glue_has_a_part_for_every_upgrade_action():
-    assert set(process._UPGRADE) == set(typing.get_args(handoff.UpgradeAction))
+    assert set(process._UPGRADE) == set(typing.get_args(machines.UpgradeAction))
 
 
 def test_the_daemon_and_the_simulation_carry_out_every_action_of_the_process():

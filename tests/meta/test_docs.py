@@ -297,8 +297,9 @@ def test_no_part_of_the_registration_writes_another_parts_fields():
 
 
 def test_the_performer_never_calls_the_machine():
-    """Outcomes known at once are returned (Resource.handle feeds them in); later ones reach the
-    loop through the host: no action's handler delivers an event itself, outside a callback."""
+    """Outcomes known at once are returned (the plugin directory hands them in); later ones reach
+    the loop through the host: no action's handler calls `deliver` itself, outside a callback
+    (handing it on, as `partial(self.deliver, ...)`, is a callback)."""
     import ast
     import inspect
 
@@ -313,7 +314,8 @@ def test_the_performer_never_calls_the_machine():
         outside_callbacks = [n for n in ast.walk(body) if not isinstance(n, ast.Lambda)]
         lambdas = [n for n in ast.walk(body) if isinstance(n, ast.Lambda)]
         inside = {id(x) for lam in lambdas for x in ast.walk(lam)}
-        direct = [n for n in outside_callbacks if id(n) not in inside and isinstance(n, ast.Attribute) and n.attr == "deliver"]
+        direct = [n for n in outside_callbacks if id(n) not in inside and isinstance(n, ast.Call)
+                  and isinstance(n.func, ast.Attribute) and n.func.attr == "deliver"]
         assert direct == [], handler.__name__
 
 
@@ -348,7 +350,7 @@ def test_status_and_metrics_are_said_only_when_what_they_show_changed():
     from atedevd.glue.process import Process, Status, WriteMetrics
 
     class ShownPluginDir:
-        plugin_dir, resources, showing = "/nonexistent", {}, ("registered",)
+        plugin_dir, resources, showing, counts = "/nonexistent", {}, ("registered",), ((0, 0),)
         host = type("Host", (), {"cdi": None, "isdir": staticmethod(lambda p: True),
                                  "monotonic": staticmethod(lambda: 0.0), "wall": staticmethod(lambda: 0.0)})()
 
@@ -357,6 +359,9 @@ def test_status_and_metrics_are_said_only_when_what_they_show_changed():
 
         def reports(self):
             return []
+
+        def allocations(self):
+            return self.counts
 
     node = ShownPluginDir()
     proc = Process(node)  # type: ignore[arg-type]
@@ -373,6 +378,8 @@ def test_status_and_metrics_are_said_only_when_what_they_show_changed():
     proc.reload_error = "bad file"
     assert said() == [Status, WriteMetrics]
     assert said() == []
+    node.counts = ((1, 0),)  # an Allocate: the metrics count it, the status line does not show it
+    assert said() == [WriteMetrics]
 
 
 def test_one_register_in_flight_per_resource_and_a_trigger_meanwhile_waits_for_its_end():

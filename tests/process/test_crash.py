@@ -29,11 +29,13 @@ import atedevd.daemon.loop
 
 plugin_dir = sys.argv[sys.argv.index("--device-plugin-dir") + 1]
 
-first_apply = atedevd.daemon.loop.Daemon._apply
+perform = atedevd.daemon.loop.Daemon._perform
+performed = []
 
-def apply(self, cfg, first=False):
-    first_apply(self, cfg, first)
-    if not first:
+def first_pass_then_crash(self, actions):
+    perform(self, actions)
+    performed.append(actions)
+    if len(performed) > 1:  # the first is the start's: the first pass over the configuration
         return
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not os.path.exists(os.path.join(plugin_dir, "kubelet_internal_checkpoint")):
@@ -41,7 +43,7 @@ def apply(self, cfg, first=False):
         time.sleep(0.01)
     raise RuntimeError("injected by the test\\nsecond line of the message")
 
-atedevd.daemon.loop.Daemon._apply = apply
+atedevd.daemon.loop.Daemon._perform = first_pass_then_crash
 from atedevd import cli
 sys.exit(cli.main(sys.argv[1:]))
 """
@@ -89,7 +91,7 @@ def test_crash_exits_1_promptly_with_one_line_and_the_traceback(tmp_path, plugin
     assert text.count("Traceback (most recent call last):") == 1, text
     trace = text[text.index("Traceback (most recent call last):"):]
     assert text.index(" ERROR crashed") < text.index("Traceback"), text
-    frame = "in on_directory_events" if where == "in-the-loop" else "in apply"
+    frame = "in on_directory_events" if where == "in-the-loop" else "in first_pass_then_crash"
     assert frame in trace and "RuntimeError: injected by the test\nsecond line of the message" in trace, text
 
 

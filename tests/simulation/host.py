@@ -14,8 +14,9 @@ from functools import partial
 from typing import Callable, List, Optional, Tuple
 
 from atedevd.kubelet import sockets
+from atedevd.kubelet.calls import Allocatable
 from atedevd.kubelet.plugin import StreamEvent
-from atedevd.registration.messages import Listing, Outcome
+from atedevd.registration.messages import Listing, Outcome, RegisterDone
 
 PLUGIN_DIR = "/sim/device-plugins"
 STANDBY = os.path.join(PLUGIN_DIR, sockets.STANDBY_DIR)
@@ -95,6 +96,9 @@ class SimHost:
     def make_dir(self, path: str) -> None:
         pass
 
+    def watch(self, directories) -> None:
+        pass  # the world's directories tell every process (tests/simulation: Directory, and the scenarios)
+
     # --- serving -----------------------------------------------------------------------
 
     def server(self, device, path: str, slots, allocations, on_event: Callable) -> "SimServer":
@@ -102,30 +106,32 @@ class SimHost:
 
     # --- calls -----------------------------------------------------------------------------
 
-    def register(self, resource: str, endpoint: str, done) -> _NoCall:
+    def register(self, resource: str, endpoint: str, cid: int, done: Callable[[RegisterDone], None]) -> _NoCall:
         self.w.note(f"daemon#{self.d.n}", f"Register {endpoint} sent")
 
-        def arrive():
+        def answered(outcome: str, detail: str = "") -> None:
+            self.post(partial(done, RegisterDone(cid, Outcome(outcome), "" if outcome == "ok" else detail or f"Register: {outcome}")))
+
+        def arrive() -> None:
             if self.d.alive:
-                self.w.kubelet.register(resource, endpoint, lambda outcome, detail="": self.post(
-                    partial(done, Outcome(outcome), None if outcome == "ok" else detail or f"Register: {outcome}")))
+                self.w.kubelet.register(resource, endpoint, answered)
         self.w.after(self.w.delay(), arrive)
         return _NoCall()
 
-    def ask_allocatable(self, path: str, done) -> _NoCall:
-        def answer():
+    def ask_allocatable(self, path: str, done: Callable[[Allocatable], None]) -> _NoCall:
+        def answer() -> None:
             if not self.d.alive:
                 return
             got = self.w.kubelet.allocatable(self.d.plugins.resources)
             if got == "absent":
-                reply = (Listing.ABSENT, {}, "unimplemented")
+                reply = Allocatable(Listing.ABSENT, {}, "unimplemented")
             elif got == "refused":
-                reply = (Listing.REFUSED, {}, "kubelet is not accepting connections")
+                reply = Allocatable(Listing.REFUSED, {}, "kubelet is not accepting connections")
             elif got == "exhausted":
-                reply = (Listing.EXHAUSTED, {}, "RESOURCE_EXHAUSTED: rejected by rate limit")
+                reply = Allocatable(Listing.EXHAUSTED, {}, "RESOURCE_EXHAUSTED: rejected by rate limit")
             else:
-                reply = (Listing.LISTED, got, None)
-            self.w.after(self.w.delay(), self._deliver, partial(done, *reply))
+                reply = Allocatable(Listing.LISTED, got)
+            self.w.after(self.w.delay(), self._deliver, partial(done, reply))
         self.w.after(self.w.delay(), answer)
         return _NoCall()
 

@@ -125,7 +125,7 @@ def upgrade(w: World) -> None:
     """An upgrade handed to a warm successor: it registers once kubelet let go of us (kubelet
     1.32), or beside us (the current kubelet, told kubelet_endpoints = "per-socket")."""
     first = w.daemon
-    w.after(w.rng.uniform(0, 2.0), lambda: w.daemon.upgrade(overlap=w.kubelet.mode == "current"))
+    w.after(w.rng.uniform(0, 2.0), lambda: w.daemon.upgrade())
     w.checks.append(lambda: [] if w.daemon is not first and not first.alive else
                     [f"the upgrade did not take place: daemon#{w.daemon.n} is main, daemon#{first.n} "
                      f"{'is alive' if first.alive else 'exited'}"])
@@ -135,7 +135,7 @@ def upgrade_successor_killed(w: World) -> None:
     """The successor of an upgrade is killed at a random moment: before it is ready, while
     it registers, or once main (then systemd starts atedevd again)."""
     first = w.daemon
-    w.after(w.rng.uniform(0, 2.0), lambda: w.daemon.upgrade(overlap=w.kubelet.mode == "current"))
+    w.after(w.rng.uniform(0, 2.0), lambda: w.daemon.upgrade())
 
     def kill():
         d = first.child
@@ -184,7 +184,7 @@ def upgrade_disturbed(w: World) -> None:
     """An upgrade, and around it one of: a kubelet restart, kubelet's directory deleted (and
     made again by a kubelet restart), or `systemctl restart` of the unit (SIGTERM to both
     processes, a new start once both have exited)."""
-    w.after(w.rng.uniform(0, 2.0), lambda: w.daemon and w.daemon.upgrade(overlap=w.kubelet.mode == "current"))
+    w.after(w.rng.uniform(0, 2.0), lambda: w.daemon and w.daemon.upgrade())
     what = w.rng.choice(("kubelet-restart", "plugin-dir-removed", "unit-restart"))
     if what == "kubelet-restart":
         _kubelet_restart(w, 0.2)

@@ -29,7 +29,8 @@ from atedevd.devices import policy
 from atedevd.devices.invariants import Invariants
 from atedevd.glue import metrics
 from atedevd.glue.plugin_dir import PluginDir
-from atedevd.glue.process import Process, Ready, ServingBegan, StartWork, Status, WatchDirectories, WriteMetrics
+from atedevd.glue.process import (Process, ReadConfig, Ready, Reloading, ServingBegan, StartSuccessor, StartWork,
+                                  Status, WriteMetrics)
 from atedevd.registration.messages import Say, State
 from atedevd.upgrade.machines import BecomeMain, Exit, MainPid, Message, Send, StopSuccessor, UpgradePhase
 from tests.simulation.host import KUBELET_SOCK, PLUGIN_DIR, SimHost, SimServer
@@ -395,12 +396,9 @@ class AtedevdProcess:
         world.ever.append(self)
         self.host = SimHost(world, self)
         self.host.cdi = cdi_keeper.Specs(self.host.say, sharing=parent is not None)
-        node = PluginDir(PLUGIN_DIR, world.dev_root, "/sys", self.host, f"d{n}", lambda path, error: False)
-        if parent is not None:
-            node.on_hold = True
-            node.inherited = frozenset(r.name for r in parent.plugins.resources.values() if r.advertised)
-        self.plugins = node
-        self.process = Process(node, successor=parent is not None)
+        self.plugins = PluginDir(PLUGIN_DIR, world.dev_root, "/sys", self.host, f"d{n}", lambda path, error: False)
+        # A successor serves what its predecessor served (what the daemon's channel hands it).
+        self.process = Process(self.plugins, inherited=frozenset(parent.plugins.served()) if parent is not None else None)
         self.on_exit = None
         self._wake_at: Optional[float] = None
         self.parent, self.child = parent, None
@@ -428,15 +426,14 @@ class AtedevdProcess:
     # --- the process: what Daemon.run, its signals and its loop do ---------------------------------
 
     def config(self, count: int) -> Config:
-        return Config(cdi=self.w.cdi, cdi_spec_dir=self.w.cdi_dir, dev_root=self.w.dev_root,
-                      devices=tuple(self.devices(count)))
+        """What its configuration file says: an upgrade goes beside its predecessor where kubelet
+        tracks endpoints per socket (the current kubelet)."""
+        endpoints = "per-socket" if self.w.kubelet.mode == "current" else "per-resource"
+        return Config(cdi=self.w.cdi, cdi_spec_dir=self.w.cdi_dir, dev_root=self.w.dev_root, sys_root="/sys",
+                      devices=tuple(self.devices(count)), kubelet_endpoints=endpoints)
 
     def start(self) -> None:
-        self.plugins.kubelet.refresh(created=False, events_lost=True)
-        self.host.cdi.configure(self.config(self.count))  # (the daemon's _apply: before a resource's first snapshot)
-        self.plugins.apply(self.devices(self.count), self.w.dev_root, "/sys", self.w.now)
-        self.plugins.reconcile(self.w.now)
-        self.process.started(self.w.now)
+        self._perform(self.process.start(self.w.now, self.config(self.count)))
         self.status = self.process.status()  # READY=1
         self.woke()
 
@@ -446,26 +443,23 @@ class AtedevdProcess:
             self.woke()
 
     def reload(self, count: int, pattern: bool = True) -> None:
-        """SIGHUP: a changed resource is served anew; an unchanged one is not touched; one no
-        longer configured (`pattern` False: the pattern resource) is closed."""
-        if not self.alive or self.plugins.stopping or self.process.upgrading is not None:
+        """SIGHUP with this configuration in the file: a changed resource is served anew; an
+        unchanged one is not touched; one no longer configured (`pattern` False: the pattern
+        resource) is closed. (A stop or an upgrade under way: the process ignores it.)"""
+        if not self.alive:
             return
-        self.count, self.pattern = count, pattern
-        self.plugins.accept_nodes()
-        self.host.cdi.configure(self.config(count))
-        self.plugins.apply(self.devices(count), self.w.dev_root, "/sys", self.w.now)
-        self.plugins.reconcile(self.w.now)
+        self._configured = (count, pattern)
+        self._perform(self.process.hangup(self.w.now, installed_changed=False))
         self.woke()
 
-    def upgrade(self, overlap: bool) -> None:
-        """A reload that finds the installed atedevd is another: start it, hand over to it."""
-        if not self.alive or self.plugins.stopping or self.process.upgrading is not None:
-            return
-        self.process.upgrade(self.w.now, overlap)
-        self.w.after(self.w.delay(), self._spawn)
+    def upgrade(self) -> None:
+        """A SIGHUP that finds the installed atedevd is another: start it, hand over to it."""
+        if self.alive:
+            self._perform(self.process.hangup(self.w.now, installed_changed=True))
+            self.woke()
 
     def _spawn(self) -> None:
-        p = self.process.predecessor  # (the daemon starts it at once: nothing can come between)
+        p = self.process.predecessor  # (the daemon starts it at once, but its start takes a while)
         if self.alive and not self.plugins.stopping and p is not None and p.phase is UpgradePhase.STARTING:
             self.child = self.w.start_daemon(self.count, parent=self)
 
@@ -538,9 +532,12 @@ class AtedevdProcess:
             if len(self.w.invariant_problems) < 3:
                 self.w.invariant_problems.append(f"at {self.w.now:.4f}, daemon#{self.n}: {problem}")
 
-    def _woke(self) -> None:
-        for a in self.process.wake(self.w.now):
+    def _perform(self, actions) -> None:
+        for a in actions:
             _DO[type(a)](self, a)
+
+    def _woke(self) -> None:
+        self._perform(self.process.wake(self.w.now))
         if self.process.stopped:
             self.plugins.close(self.w.now)  # (its CDI specs stay)
             self.alive = False
@@ -587,11 +584,21 @@ class AtedevdProcess:
         return metrics.render(_info(), self.plugins.reports(), polling=False, reload_ok=self.process.reload_error is None,
                               wall_offset=0.0)
 
+    def _reloading(self, a: Reloading) -> None:
+        pass  # RELOADING=1: nothing here reads it
+
+    def _read_config(self, a: ReadConfig) -> None:
+        self.count, self.pattern = self._configured
+        self._perform(self.process.reloaded(self.w.now, self.config(self.count)))
+
+    def _start_successor(self, a: StartSuccessor) -> None:
+        """The daemon starts it at once; here its start takes a while (and the predecessor may
+        be stopped or killed meanwhile)."""
+        self._perform(self.process.successor_started(self.w.now))
+        self.w.after(self.w.delay(), self._spawn)
+
     def _serving_began(self, a: ServingBegan) -> None:
         pass  # no sandbox here: the plugin directory is never a mount of its own
-
-    def _watch(self, a: WatchDirectories) -> None:
-        pass  # the world's directories tell every process (tests/simulation: Directory, and the scenarios)
 
     def _send(self, a: Send) -> None:
         other = self.child if self.process.predecessor is not None else self.parent
@@ -620,18 +627,8 @@ class AtedevdProcess:
     # --- for the checks ---------------------------------------------------------------------
 
     def idle(self) -> bool:
-        """Nothing of its own is due but the periodic timers (the look at its nodes, kubelet's
-        count): no upgrade, no deferred start work, no retry, wait, question or warning."""
-        p = self.process
-        if p.start_work_due is not None or p.predecessor is not None or p.successor is not None \
-                or self.plugins.pod_resources.deadline is not None:
-            return False
-        for r in self.plugins.all_resources():
-            m = r.machine  # (its parts, as a test reads them)
-            if any(t is not None for t in (m.attempts.deadline, m.attempts.verify_by, m.book.deadline, m.moves.serve_at,
-                                           m.letgo.deadline, m.questions.deadline, m.tally.deadline)):
-                return False
-        return True
+        """Nothing of its own is due but the periodic timers (`Process.idle`)."""
+        return self.process.idle
 
     def state(self, resource: str = RESOURCE) -> State:
         return self.plugins.resources[resource].state
@@ -646,7 +643,8 @@ class AtedevdProcess:
 _DO: Dict[type, Callable] = {
     StartWork: AtedevdProcess._start_work, Status: AtedevdProcess._status, Ready: AtedevdProcess._ready,
     WriteMetrics: AtedevdProcess._write_metrics, ServingBegan: AtedevdProcess._serving_began,
-    WatchDirectories: AtedevdProcess._watch,
+    Reloading: AtedevdProcess._reloading, ReadConfig: AtedevdProcess._read_config,
+    StartSuccessor: AtedevdProcess._start_successor,
     Send: AtedevdProcess._send, StopSuccessor: AtedevdProcess._stop_successor, MainPid: AtedevdProcess._main_pid,
     Exit: AtedevdProcess._exit, BecomeMain: AtedevdProcess._become_main, Say: AtedevdProcess._say,
 }

@@ -27,7 +27,7 @@ REFUSED = "/dev/kmsg"  # the kernel log: every Linux host has it (not always /de
 
 class Resources:
     """What invariants.check reads of a Node: its resources' tables and published snapshots,
-    looked at as Resource.look_at_device looks (a resource another one pokes looks again)."""
+    looked at as a Resource looks (its `Reconcile`) (a resource another one pokes looks again)."""
 
     def __init__(self, devices, dev_root, registry=True):
         self.dev_root, self.sys_root = dev_root, "/sys"

@@ -3,6 +3,7 @@ question that waits, an answer newer than the question, and a budget of atedevd'
 inside kubelet's limit (100 a second, burst 10, for every client on the node)."""
 
 from atedevd.kubelet import pod_resources
+from atedevd.kubelet.calls import Allocatable
 from atedevd.kubelet.pod_resources import PodResourcesClient
 from atedevd.registration.messages import Listing
 
@@ -21,19 +22,19 @@ class PodResourcesHost:
         self.calls.append(done)
 
     def answer(self, count=4):
-        self.calls.pop(0)(Listing.LISTED, {"ate.dev/kvm": count}, None)
+        self.calls.pop(0)(Allocatable(Listing.LISTED, {"ate.dev/kvm": count}))
 
 
 def test_questions_that_wait_share_one_call_and_a_question_asked_meanwhile_waits_for_the_next():
     host, got = PodResourcesHost(), []
     c = PodResourcesClient(host)
-    c.ask(lambda *a: got.append(("a", a[1])))
-    c.ask(lambda *a: got.append(("b", a[1])))
+    c.ask(lambda answer: got.append(("a", answer.counts)))
+    c.ask(lambda answer: got.append(("b", answer.counts)))
     assert len(host.calls) == 1  # a is asked at once; b waits for the next call...
     host.answer(4)
     assert got == [("a", {"ate.dev/kvm": 4})] and len(host.calls) == 1  # ... which goes when a's comes back
-    c.ask(lambda *a: got.append(("c", a[1])))
-    c.ask(lambda *a: got.append(("d", a[1])))
+    c.ask(lambda answer: got.append(("c", answer.counts)))
+    c.ask(lambda answer: got.append(("d", answer.counts)))
     host.answer(0)
     assert got[1:] == [("b", {"ate.dev/kvm": 0})]
     host.answer(2)  # c and d, together
@@ -43,8 +44,8 @@ def test_questions_that_wait_share_one_call_and_a_question_asked_meanwhile_waits
 def test_a_cancelled_question_is_not_asked_nor_answered():
     host, got = PodResourcesHost(), []
     c = PodResourcesClient(host)
-    c.ask(lambda *a: got.append("a"))
-    c.ask(lambda *a: got.append("b")).cancel()
+    c.ask(lambda answer: got.append("a"))
+    c.ask(lambda answer: got.append("b")).cancel()
     host.answer()
     assert got == ["a"] and host.calls == []
 
@@ -59,7 +60,7 @@ def test_the_budget_holds_under_any_number_of_questions():
         host.now = ms / 1000
         if c.deadline is not None and c.deadline <= host.now:
             c.on_timer(host.now)
-        c.ask(lambda *a: None)
+        c.ask(lambda answer: None)
         while host.calls:
             made.append(host.now)
             host.answer()
@@ -79,7 +80,7 @@ def test_a_deadline_is_always_ahead_of_now():
     host = PodResourcesHost()
     c = PodResourcesClient(host)
     for _ in range(20000):
-        c.ask(lambda *a: None)
+        c.ask(lambda answer: None)
         while host.calls:
             host.answer()
         if c.deadline is not None:

@@ -6,9 +6,10 @@ import logging
 
 import pytest
 
+from atedevd.glue.plugin_dir import Standing
 from atedevd.glue.process import Process, Ready
 from atedevd.registration.messages import RegisterAgain, Release, Say, Stop, TakeBack, Yield
-from atedevd.upgrade import machines as handoff
+from atedevd.upgrade import machines
 from atedevd.upgrade.machines import (BecomeMain, Exit, MainPid, Message, Predecessor, Send, StopSuccessor, Successor,
                                       UpgradePhase)
 
@@ -55,9 +56,9 @@ def test_a_successor_that_exits_before_it_is_ready_is_one_error_and_nothing_to_r
 
 def test_a_successor_never_ready_is_killed_at_the_limit():
     p = Predecessor(overlap=False, now=0.0)
-    p.on_timer(handoff.READY_LIMIT_S - 0.1)
+    p.on_timer(machines.READY_LIMIT_S - 0.1)
     assert kinds(p) == []
-    p.on_timer(handoff.READY_LIMIT_S)
+    p.on_timer(machines.READY_LIMIT_S)
     actions = p.take()
     assert StopSuccessor(kill=True) in actions and any(isinstance(a, TakeBack) for a in actions)
     assert "was not ready within" in errors(actions)[0] and p.over
@@ -76,8 +77,8 @@ def test_a_successor_that_dies_registering_is_taken_back_and_we_register_once_mo
     actions = p.take()
     assert [type(a) for a in actions if not isinstance(a, Say)] == [StopSuccessor, TakeBack]
     assert "and registers again" in errors(actions)[0]
-    assert not p.over and p.deadline == pytest.approx(0.7 + handoff.ORPHAN_LIMIT_S)
-    p.on_timer(0.7 + handoff.ORPHAN_LIMIT_S)
+    assert not p.over and p.deadline == pytest.approx(0.7 + machines.ORPHAN_LIMIT_S)
+    p.on_timer(0.7 + machines.ORPHAN_LIMIT_S)
     assert kinds(p) == [RegisterAgain] and p.over and p.deadline is None
 
 
@@ -94,7 +95,7 @@ def test_a_live_successor_that_cannot_register_is_asked_to_stop_and_taken_back_o
     p.received(0.5, Message.READY)
     p.let_go(0.5)
     p.take()
-    p.on_timer(0.5 + handoff.REGISTER_LIMIT_S)
+    p.on_timer(0.5 + machines.REGISTER_LIMIT_S)
     actions = p.take()
     assert StopSuccessor(kill=False) in actions and not any(isinstance(a, TakeBack) for a in actions)
     p.received(1.0, Message.REGISTERED)  # late, from one we gave up on: ignored
@@ -107,12 +108,12 @@ def test_a_successor_that_does_not_stop_when_asked_is_killed_and_we_register_onc
     p = Predecessor(overlap=False, now=0.0)
     p.received(0.0, Message.READY)
     p.let_go(0.0)
-    p.on_timer(handoff.REGISTER_LIMIT_S)
+    p.on_timer(machines.REGISTER_LIMIT_S)
     p.take()
-    at = handoff.REGISTER_LIMIT_S + handoff.STOP_LIMIT_S
+    at = machines.REGISTER_LIMIT_S + machines.STOP_LIMIT_S
     p.on_timer(at)
-    assert kinds(p) == [StopSuccessor(kill=True), TakeBack] and p.deadline == pytest.approx(at + handoff.ORPHAN_LIMIT_S)
-    p.on_timer(at + handoff.ORPHAN_LIMIT_S)
+    assert kinds(p) == [StopSuccessor(kill=True), TakeBack] and p.deadline == pytest.approx(at + machines.ORPHAN_LIMIT_S)
+    p.on_timer(at + machines.ORPHAN_LIMIT_S)
     assert kinds(p) == [RegisterAgain]
 
 
@@ -140,12 +141,23 @@ def test_a_successor_whose_predecessor_is_gone_registers_and_serves_on(ready):
     assert kinds(s) == [Release, BecomeMain]
 
 
-class FakeNode:
-    """What the glue reads of the node, and what it tells it."""
+class FakePluginDir:
+    """What the glue hears from the node (where the resources stand, as it changes), and what it tells it."""
 
     def __init__(self):
-        self.told, self.yielded, self.ready_on_hold, self.registered, self.stopping = [], False, False, False, False
+        self.told, self.stopping, self.held = [], False, None
+        self._news = []
         self.host = type("Host", (), {"cdi": None})()
+
+    def stands(self, ready_on_hold=False, yielded=False, registered=False):
+        self._news.append(Standing(ready_on_hold, yielded, registered))
+
+    def news(self):
+        news, self._news = self._news, []
+        return news
+
+    def hold(self, inherited):
+        self.held = inherited
 
     def tell_all(self, now, event):
         self.told.append(event)
@@ -158,15 +170,15 @@ class FakeNode:
 
 
 def test_the_glue_shows_the_machines_the_node_and_carries_each_action_to_the_node_or_the_process():
-    node = FakeNode()
+    node = FakePluginDir()
     proc = Process(node)  # type: ignore[arg-type]
-    proc.upgrade(0.0, overlap=False)
+    proc.successor_started(0.0)
     proc.heard(0.0, Message.READY)
     proc.upgrade_steps(0.0)
     assert node.told == [Yield()] and proc.predecessor.phase is Phase.YIELDING
     proc.upgrade_steps(0.1)  # kubelet has not let go
     assert proc.predecessor.phase is Phase.YIELDING and proc._out == []
-    node.yielded = True
+    node.stands(yielded=True)
     proc.upgrade_steps(0.2)
     assert proc.predecessor.phase is Phase.REGISTERING and proc._out == [Send(Message.GO)]
     proc.heard(0.3, Message.REGISTERED)
@@ -175,9 +187,9 @@ def test_the_glue_shows_the_machines_the_node_and_carries_each_action_to_the_nod
 
 
 def test_a_take_back_is_the_node_s_and_ready_again_the_process_s():
-    node = FakeNode()
+    node = FakePluginDir()
     proc = Process(node)  # type: ignore[arg-type]
-    proc.upgrade(0.0, overlap=False)
+    proc.successor_started(0.0)
     proc.heard(0.5, None, "exited with status 3")
     proc.upgrade_steps(0.5)
     assert node.told == [TakeBack()] and [type(a) for a in proc._out if not isinstance(a, Say)] == [StopSuccessor, Ready]
@@ -185,15 +197,15 @@ def test_a_take_back_is_the_node_s_and_ready_again_the_process_s():
 
 
 def test_a_successor_is_released_and_becomes_main_through_the_glue():
-    node = FakeNode()
-    proc = Process(node, successor=True)  # type: ignore[arg-type]
-    assert proc.upgrading == "successor"
-    node.ready_on_hold = True
+    node = FakePluginDir()
+    proc = Process(node, inherited=frozenset({"ate.dev/kvm"}))  # type: ignore[arg-type]
+    assert proc.upgrading == "successor" and node.held == {"ate.dev/kvm"}
+    node.stands(ready_on_hold=True)
     proc.upgrade_steps(0.0)
     proc.heard(0.1, Message.GO)
     proc.upgrade_steps(0.1)
     assert node.told == [Release()] and proc._out == [Send(Message.READY)]
-    node.registered = True
+    node.stands(registered=True)
     proc.upgrade_steps(0.2)
     proc.heard(0.3, Message.MAIN)
     proc.upgrade_steps(0.3)
