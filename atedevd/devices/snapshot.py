@@ -190,12 +190,10 @@ class UnitSnapshot(Snapshot):
         return {u.id: u.nodes for u in self.by_id.values() if u.healthy and u.nodes}
 
     def refusal(self, ids: Iterable[str], earlier: Callable[[str], Any]) -> Optional[str]:
-        from atedevd.kubelet import lists
-
         ids = list(dict.fromkeys(ids))
         gone = [i for i in ids if i not in self.by_id]
         if gone:  # in a list kubelet may still hold, not in ours
-            return lists.left(earlier(gone[0]), self.device.resource)
+            return _left(earlier(gone[0]), self.device.resource)
         down = [self.by_id[i] for i in ids if not self.by_id[i].healthy]
         if down:
             named = ", ".join(f"{u.id[:80]!r} ({u.path})" for u in down[:3])
@@ -221,3 +219,10 @@ class UnitSnapshot(Snapshot):
             if u.numa:
                 d.topology.nodes.extend(pb.NUMANode(ID=n) for n in u.numa)
         return tuple(self.by_id), response
+
+
+def _left(unit, resource: str) -> str:
+    """Why an ID of a pattern's unit kubelet may still hold as Healthy is not granted."""
+    what = f"unit {unit.id!r} ({unit.path})" if hasattr(unit, "path") else "the unit"
+    return (f"{resource}: {what} left the device list (its node is gone, or no longer this resource's) "
+            "after kubelet was last sent it; kubelet has not yet taken the new list")

@@ -54,9 +54,3 @@ class SentLists:
                 return found
         return None
 
-
-def left(unit, resource: str) -> str:
-    """Why an ID of a pattern's unit kubelet may still hold as Healthy is not granted."""
-    what = f"unit {unit.id!r} ({unit.path})" if hasattr(unit, "path") else "the unit"
-    return (f"{resource}: {what} left the device list (its node is gone, or no longer this resource's) "
-            "after kubelet was last sent it; kubelet has not yet taken the new list")

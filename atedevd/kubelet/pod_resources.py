@@ -10,10 +10,9 @@ polling at 80 a second. A question asked while a call is in flight waits for the
 call: the answer must be newer than what made the question.
 """
 
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional, Protocol
 
 if TYPE_CHECKING:
-    from atedevd.glue.seams import HostIO
     from atedevd.kubelet.calls import Allocatable
 
 Answer = Callable[["Allocatable"], None]
@@ -33,10 +32,19 @@ class _Question:
         self.cancelled = True
 
 
+class Asking(Protocol):
+    """What the client needs of the host (atedevd/glue/seams.py's HostIO has it)."""
+
+    pod_resources_socket: str
+
+    def monotonic(self) -> float: ...
+    def ask_allocatable(self, path: str, done: Answer) -> object: ...
+
+
 class PodResourcesClient:
     """Asks pod-resources for every resource of one daemon, through the host's I/O."""
 
-    def __init__(self, host: "HostIO") -> None:
+    def __init__(self, host: Asking) -> None:
         self.host = host
         self.deadline: Optional[float] = None  # the next call may go then (the budget)
         self.calls = 0  # made, over the daemon's life

@@ -29,7 +29,8 @@ def test_a_patterns_unit_is_found_healthy_or_not_and_only_so_many_lists_are_kept
     sent.sent(UnitSnapshot(device, 1, (up,)), 0.0)
     sent.sent(UnitSnapshot(device, 2, (up._replace(healthy=False),)), 1.0)
     assert sent.earlier("ttyUSB1", 2.0) is up
-    assert "unit 'ttyUSB1' (/dev/ttyUSB1) left the device list" in lists.left(up, device.resource)
+    newest = UnitSnapshot(device, 3, ())  # its node gone: an Allocate of it is refused with why, not as unknown
+    assert "unit 'ttyUSB1' (/dev/ttyUSB1) left the device list" in newest.refusal(["ttyUSB1"], lambda i: sent.earlier(i, 2.0))
     for n in range(3, 3 + 2 * lists.KEPT):
         sent.sent(UnitSnapshot(device, n, ()), 2.0)
     assert sent.earlier("ttyUSB1", 2.0) is None  # a burst of lists pushes the oldest out
