@@ -23,7 +23,7 @@ demo: deps
 # is marked `slow` (seconds or minutes of its own: the registration matrix, fault injection, fuzzing, the
 # hostile user, user namespaces, the restart storm, the 10,000 refused Registers). pytest prints the count
 # and the time taken last, and the slowest tests above them.
-FAST_TESTS := tests/unit tests/process tests/simulation tests/meta
+FAST_TESTS := tests/unit tests/process tests/simulation tests/meta tests/rig
 check: typecheck
 	SIM_ROUNDS=500 $(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m "not slow" $(FAST_TESTS)
 

@@ -31,8 +31,8 @@ class HealthKubelet(TimedKubelet):
     def write_checkpoint(self) -> None:  # with the lock held, after every message
         now = time.monotonic()
         for resource, seen in self.unhealthy_at.items():
-            if resource in self.inc.unhealthy:
-                ids = frozenset(self.inc.unhealthy[resource])
+            if resource in self.manager.unhealthy:
+                ids = frozenset(self.manager.unhealthy[resource])
                 if not seen or seen[-1][1] != ids:
                     seen.append((now, ids))
         super().write_checkpoint()
@@ -97,7 +97,7 @@ def run(quick: bool) -> List[Row]:
         for resource in (RESOURCE, PATTERN):
             if not k.wait_connected(resource, timeout=30):
                 raise RuntimeError(f"{resource} did not register; log:\n{d.log()}")
-        if not k.wait(lambda: len(k.inc.healthy.get(PATTERN, ())) == NODES, 30):
+        if not k.wait(lambda: len(k.manager.healthy.get(PATTERN, ())) == NODES, 30):
             raise RuntimeError(f"not {NODES} healthy units; log:\n{d.log()}")
         for resource, unit in ((PATTERN, "ttyB7"), (RESOURCE, "kvm-0")):
             r = load(current_socket(rig.plugin_dir, resource, kubelet=k), 1, 1, count=calls, ids=unit)

@@ -46,8 +46,8 @@ class TimedKubelet(Kubelet):
         if self.track_health:
             c = self.clients.get(RESOURCE)
             if c is not None:
-                self.health = (now, sum(1 for h in c.devices.values() if h == "Healthy"))
-        if len(self.inc.healthy.get(RESOURCE, ())) == self.units:
+                self.health = (now, sum(1 for h, _ in c.devices.values() if h == "Healthy"))
+        if len(self.manager.healthy.get(RESOURCE, ())) == self.units:
             self.healthy_at.append(now)
         super().write_checkpoint()
 

@@ -51,10 +51,10 @@ class ContainerTimedKubelet(kubelet_standin.Kubelet):
 
     def write_checkpoint(self) -> None:  # with the lock held, after every ListAndWatch message
         now = time.monotonic()
-        for c in self.inc.all_clients:
+        for c in self.manager.all_clients:
             if c.connected and id(c) not in self._first:
                 self._first.add(id(c))
-                self.healthy_at.append([now, c.resource, c.endpoint, len(self.inc.healthy.get(c.resource, ()))])
+                self.healthy_at.append([now, c.resource, c.endpoint, len(self.manager.healthy.get(c.resource, ()))])
         super().write_checkpoint()
 
     def state(self) -> dict:

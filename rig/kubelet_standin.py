@@ -1,68 +1,43 @@
 """A kubelet stand-in that behaves like the device manager of a real kubelet, on the wire.
 
-Two modes, each modelling one kubelet's code (read from kubernetes/kubernetes:
-pkg/kubelet/cm/devicemanager/{manager.go,endpoint.go}, plugin/v1beta1/
-{server.go,handler.go,client.go}, apis/podresources/server_v1.go):
+kubelet's bookkeeping, in both generations (`kubelet="1.32"`, `"current"`), is
+rig/kubelet_model.py's (`DeviceManager`, read from kubelet's devicemanager source; the
+simulation runs the same); this is its driver on real sockets, threads and gRPC: the
+Registration and pod-resources servers, the dial back to the plugin (blocking, 10 s),
+GetDevicePluginOptions, a ListAndWatch thread per client and the teardown after it, each at
+the step the model names, and the checkpoint file. Register errors are plain errors (gRPC
+UNKNOWN); Allocate through the stand-in fails on a stopped endpoint ("endpoint ... has been
+stopped"); the grace period of a stopped endpoint (5 min in kubelet) is a constructor parameter.
 
-`kubelet="1.32"` (every kubelet before PR #135437):
-  - `clients` and `endpoints` keyed by resource name only;
-  - Register validates (version, extended resource name), stores the new client
-    by name BEFORE dialing (the old client is not closed: its stream goes on),
-    dials the plugin socket (blocking, 10 s), calls GetDevicePluginOptions,
-    sets `endpoints[name]`, starts ListAndWatch in the background, returns;
-  - when a stream ends, kubelet looks the client up again BY NAME (possibly a
-    newer one), deregisters and closes it, then PluginDisconnected(name) marks
-    the resource's devices unhealthy and stamps a stop time on whatever
-    endpoint is current. A late old teardown therefore disconnects the new
-    client, or leaves the new endpoint stopped with its stream still open.
-`kubelet="current"` (master after PR #135437):
-  - a list of clients per name, found and removed by name + socket path;
-  - a second connection on the same name + path is refused
-    ("device plugin already connected: <path>");
-  - a late teardown evicts whatever sits at that path; when another endpoint
-    of the resource is still live it takes over and the devices stay healthy.
+Restarts are back to back like a real kubelet's: kill (connections drop, kubelet.sock stays,
+stale), then the new process reads the checkpoint, wipes the sockets in the directory (only
+sockets, only the directory itself: subdirectories are skipped) and serves a new kubelet.sock at
+once (`gap`, default 0, puts a pause between the wipe and serving). kubelet.sock is made as Go's
+net.Listen makes it: bound (the file appears: exactly one creation event per start), then
+listened on; a Register sent in between is refused (ECONNREFUSED, gRPC UNAVAILABLE).
+`listen_gap` (constructor, or per start/restart/recreate_socket; default 0: kubelet's code has
+nothing between the two system calls, a real gap is the thread being descheduled there) widens
+it. The pod-resources API v1 (GetAllocatableResources, a minimal List) is served on
+`<root>/pod-resources/kubelet.sock`, root being the parent of the plugin directory, with the
+model's answer: the devices in the resource's healthy set, regardless of the endpoint's stop
+time. kubelet rate-limits that API (apis/podresources/grpc/ratelimit.go: 100 requests a second
+with a burst of 10, for all clients together, a full bucket per kubelet process; the rest fail
+with ResourceExhausted "rejected by rate limit"): so does the stand-in, unless told not to
+(`rate_limit=None`, `serve --no-rate-limit`), every call counted per client either way
+(`pod_resources_calls`).
 
-Both: Register errors are plain errors (gRPC UNKNOWN); every ListAndWatch
-message replaces the resource's device sets and is checkpointed; Allocate
-through the stand-in fails on a stopped endpoint ("endpoint ... has been
-stopped"); a stopped endpoint's resource is dropped after a grace period (5 min
-in kubelet, a constructor parameter here); after a restart, resources from the
-checkpoint come back with no healthy devices (capacity 0) and a stopped
-endpoint until their plugin registers again. Restarts are back to back like a
-real kubelet's: kill (connections drop, kubelet.sock stays, stale), then the
-new process reads the checkpoint, wipes the sockets in the directory (only
-sockets, only the directory itself: subdirectories are skipped) and serves a
-new kubelet.sock at once (`gap`, default 0, puts a pause between the wipe and
-serving). kubelet.sock is made as Go's net.Listen makes it: bound (the file
-appears: exactly one creation event per start), then listened on; a Register
-sent in between is refused (ECONNREFUSED, gRPC UNAVAILABLE). `listen_gap`
-(constructor, or per start/restart/recreate_socket; default 0: kubelet's code
-has nothing between the two system calls, a real gap is the thread being
-descheduled there) widens it. The pod-resources API v1 (GetAllocatableResources, a minimal List)
-is served on `<root>/pod-resources/kubelet.sock`, root being the parent of the
-plugin directory, returning what kubelet returns: the devices in the
-resource's healthy set (which a stop empties and any later ListAndWatch
-message refills), regardless of the endpoint's stop time. kubelet rate-limits
-that API (apis/podresources/grpc/ratelimit.go: a token bucket, 100 requests a
-second with a burst of 10, for all clients together, a full bucket per kubelet
-process; the rest fail with ResourceExhausted "rejected by rate limit"): so does
-the stand-in, unless told not to (`rate_limit=None`, `serve --no-rate-limit`),
-every call counted per client either way (`pod_resources_calls`).
+Delays can be injected at each of the model's STEPS on the kubelet side (`delays`, seconds or
+callables returning seconds): before_dial, after_dial, before_options, before_set_endpoint,
+before_return (Register), before_stream (ListAndWatch thread), teardown (after a stream ends,
+before the lookup by name/path), teardown_lookup (between that lookup and the deregistration).
 
-Delays can be injected at each step on the kubelet side (`delays`, seconds or
-callables returning seconds): before_dial, after_dial, before_options,
-before_set_endpoint, before_return (Register), before_stream (ListAndWatch
-goroutine), teardown (after a stream ends, before the lookup by name/path),
-teardown_lookup (between that lookup and the deregistration).
-
-Admission: `rejection(resource)` says why kubelet would reject (UnexpectedAdmissionError)
-a pod requesting the resource right now, as the device manager's Allocate checks at
-admission; `record_admission(resource)` logs it at every change and every millisecond,
-for the rejection-window benchmark. The pods bound to the node (`pods`: name, resource,
-the devices the checkpoint gave them) are admitted again by every kubelet start, as after
-a reboot, in one batch `first_admission` seconds after kubelet.sock appears (kubelet: its
-sync loop's first pass once the runtime is up; `readmission(pod)`), logged in
-`first_admissions`.
+Admission: `rejection(resource)` says why kubelet would reject (UnexpectedAdmissionError) a pod
+requesting the resource right now (the model's); `record_admission(resource)` logs it at every
+change and every millisecond, for the rejection-window benchmark. The pods bound to the node
+(`pods`: name, resource, the devices the checkpoint gave them) are admitted again by every
+kubelet start, as after a reboot, in one batch `first_admission` seconds after kubelet.sock
+appears (kubelet: its sync loop's first pass once the runtime is up; `readmission(pod)`), logged
+in `first_admissions`.
 
 Used in-process by the tests and benchmarks (`Kubelet`), and as a script in the
 systemd container and the demo:
@@ -75,6 +50,7 @@ systemd container and the demo:
 import argparse
 import collections
 import glob
+import itertools
 import json
 import math
 import os
@@ -93,14 +69,15 @@ import grpc
 
 from atedevd.api import API_VERSION, DevicePluginStub, pb, pod_resources_handler, prpb, registration_handler
 
+try:
+    from rig.kubelet_model import DOWN, GRACE_PERIOD_S, MODES, STEPS, Client, Device, DeviceManager
+except ImportError:  # run as a script (the systemd container): the model beside it
+    from kubelet_model import DOWN, GRACE_PERIOD_S, MODES, STEPS, Client, Device, DeviceManager
+
 KUBELET_SOCKET = "kubelet.sock"
 CHECKPOINT = "kubelet_internal_checkpoint"
 POD_RESOURCES_DIR = "pod-resources"
 DIAL_TIMEOUT_S = 10.0
-GRACE_PERIOD_S = 300.0  # endpointStopGracePeriod
-MODES = ("1.32", "current")
-DELAY_STEPS = ("before_dial", "after_dial", "before_options", "before_set_endpoint", "before_return",
-               "before_stream", "teardown", "teardown_lookup")
 _DIAL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]  # every dial is a fresh connection, as in Go
 # kubelet's pod-resources limiter (DefaultQPS, DefaultBurstTokens) and its refusal.
 KUBELET_RATE_LIMIT = (100.0, 10)
@@ -116,165 +93,33 @@ class KubeletError(Exception):
     """An error kubelet itself raises (not the plugin's answer): e.g. a stopped endpoint."""
 
 
-class Endpoint:
-    """kubelet's endpointImpl: the plugin's API and a stop time."""
+class _Connection:
+    """A client's gRPC connection to its plugin (the model's `Client.conn`) and its ListAndWatch call."""
 
-    def __init__(self, resource: str, client: Optional["Client"], path: Optional[str],
-                 options: Optional[pb.DevicePluginOptions] = None, stopped_at: Optional[float] = None):
-        self.resource = resource
-        self.client = client
-        self.path = path
-        self.options = options
-        self.stopped_at = stopped_at  # monotonic; None: not stopped
-
-    @property
-    def name(self) -> Optional[str]:
-        return os.path.basename(self.path) if self.path else None
-
-    def __repr__(self) -> str:
-        return f"&{{{self.resource} {self.name}}}"
-
-
-class Client:
-    """kubelet's plugin client: one gRPC connection to one plugin socket and its ListAndWatch."""
-
-    def __init__(self, inc: "_Incarnation", resource: str, endpoint: str, path: str):
-        self.inc = inc
-        self.resource = resource
-        self.endpoint = endpoint  # the socket's file name, as registered
-        self.path = path
-        self.channel: Optional[grpc.Channel] = None
-        self.stub: Optional[DevicePluginStub] = None
-        self.options: Optional[pb.DevicePluginOptions] = None
-        self.devices: Dict[str, str] = {}  # this client's last ListAndWatch message
-        self.streaming = False  # the ListAndWatch call is open
-        self.connected = False  # ... and its first message has arrived
-        self.closed = False  # Disconnect() closed the connection
-        self.closed_at: Optional[float] = None  # ... and when its close returned
-        self.stream_started_at: Optional[float] = None
-        self.stream_ended_at: Optional[float] = None
-        self.torn_down_at: Optional[float] = None  # the teardown after its stream ended finished
-        self._stream = None
-
-    def __repr__(self) -> str:
-        return (f"Client({self.endpoint} kubelet#{self.inc.n} streaming={self.streaming} connected={self.connected} "
-                f"closed={self.closed})")
-
-    def run(self) -> None:
-        """c.Run(): ListAndWatch until it ends; every message goes to the device manager."""
-        k = self.inc.kubelet
-        try:
-            with k.cond:
-                if not self.inc.alive or self.closed or self.channel is None:
-                    return
-                self._stream = self.stub.ListAndWatch(pb.Empty())
-                self.streaming = True
-                self.stream_started_at = time.monotonic()
-                k.cond.notify_all()
-            for resp in self._stream:
-                with k.cond:
-                    if not self.inc.alive:
-                        break
-                    t = time.perf_counter()
-                    self.devices = {d.ID: d.health for d in resp.devices}
-                    self.connected = True
-                    k.updates += 1
-                    self.inc.device_update(self.resource, resp.devices)
-                    k.message_handled(self, resp, time.perf_counter() - t)
-                    k.cond.notify_all()
-        except (grpc.RpcError, ValueError):  # ValueError: the channel closed before the call began
-            pass
-        finally:
-            with k.cond:
-                self.streaming = False
-                self.connected = False
-                self.stream_ended_at = time.monotonic()
-                k.cond.notify_all()
-
-    def cancel_stream(self) -> None:
-        with self.inc.kubelet.cond:
-            stream = self._stream
-        if stream is not None:
-            stream.cancel()
-
-    def disconnect(self) -> None:
-        """c.Disconnect(): close the connection if dialed (ends its stream), at once, as Go's
-        conn.Close() does; the caller then tells the device manager (PluginDisconnected), so
-        the plugin sees its connection gone before kubelet marks the devices unhealthy."""
-        with self.inc.kubelet.cond:
-            channel, self.channel = self.channel, None
-            self.closed = True
-        if channel is not None:
-            channel.close()
-            with self.inc.kubelet.cond:
-                self.closed_at = time.monotonic()
+    def __init__(self, channel: grpc.Channel):
+        self.channel = channel
+        self.stub = DevicePluginStub(channel)
+        self.stream = None
 
 
 class _Incarnation:
-    """One kubelet process: everything here dies with it (the checkpoint file survives)."""
+    """One kubelet process: its device manager (the model) and its sockets, servers and
+    connections; everything here dies with it (the checkpoint file survives)."""
 
-    def __init__(self, kubelet: "Kubelet", n: int):
+    def __init__(self, kubelet: "Kubelet", n: int, restored: List[str] = ()):
         self.kubelet = kubelet
         self.n = n
-        self.alive = True
         self.started_at = time.monotonic()
-        # plugin/v1beta1 server: 1.32 name -> Client; current: name -> [Client]
-        self.handler_clients: Dict[str, Union[Client, List[Client]]] = {}
-        self.all_clients: List[Client] = []  # every client this process made (for streams and dumps)
-        self.endpoints: Dict[str, Endpoint] = {}
-        self.endpoint_store: Dict[str, Dict[str, Endpoint]] = {}  # current: name -> path -> endpoint
-        self.healthy: Dict[str, set] = {}
-        self.unhealthy: Dict[str, set] = {}
-        self.all_devices: Dict[str, Dict[str, tuple]] = {}  # name -> id -> (health, numa ids)
+        self.manager = DeviceManager(kubelet.mode, n, self.started_at, kubelet._numbers, restored,
+                                     checkpoint=lambda _registered: kubelet.write_checkpoint(), grace=kubelet.grace,
+                                     rate_limit=kubelet.rate_limit)
         self.channels: set = set()
         self.listeners: list = []  # kubelet.sock: a _KubeletSocket or _RenamedSocket
         self.servers: List[grpc.Server] = []  # Registration (first), pod-resources
-        limit = kubelet.rate_limit
-        self.limiter = TokenBucket(*limit) if limit is not None else None  # made with the server: full
 
-    # --- the device manager (manager.go), called with the lock held ---------------------
-
-    def device_update(self, name: str, devices) -> None:
-        """genericDeviceUpdateCallback: the message replaces the resource's device sets."""
-        self.healthy[name] = {d.ID for d in devices if d.health == "Healthy"}
-        self.unhealthy[name] = {d.ID for d in devices if d.health != "Healthy"}
-        self.all_devices[name] = {d.ID: (d.health, [n.ID for n in d.topology.nodes] if d.HasField("topology") else None)
-                                  for d in devices}
-        self.kubelet.write_checkpoint()
-
-    def mark_unhealthy(self, name: str) -> None:
-        """markResourceUnhealthy."""
-        healthy = self.healthy.get(name, set())
-        self.healthy[name] = set()
-        self.unhealthy[name] = self.unhealthy.get(name, set()) | healthy
-
-    def get_capacity(self) -> Dict[str, tuple]:
-        """GetCapacity: (capacity, allocatable) per resource; drops resources whose endpoint
-        stopped more than the grace period ago (kubelet does it on its node status sync)."""
-        now = time.monotonic()
-        out: Dict[str, tuple] = {}
-        changed = False
-        for name in sorted(set(self.healthy) | set(self.unhealthy)):
-            e = self.endpoints.get(name)
-            if e is None or (e.stopped_at is not None and now - e.stopped_at > self.kubelet.grace):
-                self.endpoints.pop(name, None)
-                self.healthy.pop(name, None)
-                self.unhealthy.pop(name, None)
-                changed = True
-                continue
-            h, u = len(self.healthy.get(name, ())), len(self.unhealthy.get(name, ()))
-            out[name] = (h + u, h)
-        if changed:
-            self.kubelet.write_checkpoint()
-        return out
-
-    def allocatable_devices(self) -> Dict[str, Dict[str, tuple]]:
-        """GetAllocatableDevices: allDevices filtered by the healthy sets."""
-        out = {}
-        for name, ids in self.healthy.items():
-            if name in self.all_devices:
-                out[name] = {i: d for i, d in self.all_devices[name].items() if i in ids}
-        return out
+    @property
+    def alive(self) -> bool:
+        return self.manager.alive
 
 
 class Kubelet:
@@ -298,9 +143,9 @@ class Kubelet:
         for pod in pods or ():
             if not isinstance(pod, dict) or not isinstance(pod.get("name"), str) or not isinstance(pod.get("resource"), str):
                 raise ValueError(f"a pod is {{'name': str, 'resource': str, 'devices': [str, ...]}}, not {pod!r}")
-        unknown = set(delays or ()) - set(DELAY_STEPS)
+        unknown = set(delays or ()) - set(STEPS)
         if unknown:
-            raise ValueError(f"unknown delay steps {sorted(unknown)}; known: {DELAY_STEPS}")
+            raise ValueError(f"unknown delay steps {sorted(unknown)}; known: {STEPS}")
         self.dir = plugin_dir
         self.socket = os.path.join(plugin_dir, KUBELET_SOCKET)
         self.root = os.path.dirname(os.path.abspath(plugin_dir))
@@ -322,13 +167,17 @@ class Kubelet:
         self.pod_resources_counts: Dict[str, Dict[str, int]] = {}
         self.cond = _Condition()  # an RLock: kubelet's mutexes, never held across a delay or an RPC
         self._started = 0
+        self._numbers = itertools.count(1)  # the clients of every process, numbered
         self.inc = _Incarnation(self, 0)
-        self.inc.alive = False
+        self.inc.manager.killed()
+        self.processes: List[_Incarnation] = []  # every one started (duplicates() looks at each)
         self.restarts = 0
         self.updates = 0
-        self.register_calls: List[dict] = []  # every Register: resource, endpoint, at, restart, done_at, error
-        self.registrations: List[dict] = []  # the accepted ones (Register returned OK)
-        self.rejections: List[str] = []  # error texts of the refused ones
+        # The wire's log, over every process: each Register call (resource, endpoint, at, restart,
+        # incarnation, done_at, error, client), the accepted ones, and the refusals' texts.
+        self.register_calls: List[dict] = []
+        self.registrations: List[dict] = []
+        self.rejections: List[str] = []
         self.marks: List[int] = []
         self.serving_at: Optional[float] = None  # when the newest kubelet.sock appeared (bound)
         self.listening_at: Optional[float] = None  # ... and when kubelet listened on it
@@ -339,6 +188,11 @@ class Kubelet:
     @property
     def alive(self) -> bool:
         return self.inc.alive
+
+    @property
+    def manager(self) -> DeviceManager:
+        """The running (or last) kubelet process's bookkeeping."""
+        return self.inc.manager
 
     @property
     def incarnation(self) -> int:
@@ -356,17 +210,18 @@ class Kubelet:
         with self.cond:
             if self.inc.alive:
                 raise RuntimeError("already running")
-            self._started += 1
-            self.inc = _Incarnation(self, self._started)
-            inc = self.inc
-            self.cond.notify_all()
         os.makedirs(self.dir, exist_ok=True)
-        self._read_checkpoint(inc)
+        restored = self._read_checkpoint()
+        with self.cond:
+            self._started += 1
+            self.inc = _Incarnation(self, self._started, restored)
+            inc = self.inc
+            self.processes.append(inc)
+            self.cond.notify_all()
         self.wipe()
         if gap:
             time.sleep(gap)
         self._serve(inc, listen_gap)
-
     def _listen(self, inc: _Incarnation, listen_gap: Optional[Delay]):
         """Serve Registration on kubelet.sock, the file appearing once (one creation event,
         stamped `serving_at`) and kubelet listening on it `listen_gap` seconds later (stamped
@@ -394,6 +249,7 @@ class Kubelet:
                 inc.servers.append(server)
                 inc.listeners.append(ks)
                 self.serving_at = self.listening_at = ks.created_at = ks.listening_at = time.monotonic()
+                inc.manager.listening = True
             os.rename(private, self.socket)
             with self.cond:
                 self.cond.notify_all()
@@ -418,6 +274,7 @@ class Kubelet:
         with self.cond:
             if ks.listening_at is not None:
                 self.listening_at = ks.listening_at
+                inc.manager.listening = inc.alive
             self.cond.notify_all()
         return ks
 
@@ -446,7 +303,7 @@ class Kubelet:
             inc = self.inc
             if not inc.alive:
                 return
-            inc.alive = False
+            inc.manager.killed()
             channels, inc.channels = list(inc.channels), set()
             listeners, inc.listeners = list(inc.listeners), []
             servers, inc.servers = list(inc.servers), []
@@ -497,10 +354,11 @@ class Kubelet:
         """The current endpoint's ListAndWatch stream ends on kubelet's side (an HTTP/2 reset);
         kubelet's teardown then runs as usual."""
         with self.cond:
-            e = self.inc.endpoints.get(resource)
-            client = e.client if e is not None else None
-        if client is not None:
-            client.cancel_stream()
+            e = self.manager.endpoints.get(resource)
+            conn = e.client.conn if e is not None and e.client is not None else None
+            stream = conn.stream if conn is not None else None
+        if stream is not None:
+            stream.cancel()
 
     def close(self) -> None:
         """Test teardown: kill and remove kubelet's sockets."""
@@ -532,7 +390,7 @@ class Kubelet:
             except FileNotFoundError:
                 pass
 
-    # --- Registration (plugin/v1beta1/server.go, handler.go, client.go) ------------------
+    # --- Registration (plugin/v1beta1/server.go, handler.go, client.go), the model's steps ------
 
     def Register(self, request, context):
         inc = getattr(_TLS, "inc", None) or self.inc
@@ -561,6 +419,7 @@ class Kubelet:
             self._changed()
             context.abort(grpc.StatusCode.UNKNOWN, str(e))  # a plain Go error: codes.Unknown
         with self.cond:
+            inc.manager.returned(client)
             call["done_at"] = time.monotonic()
             self.registrations.append(call)
             self.cond.notify_all()
@@ -568,24 +427,19 @@ class Kubelet:
         return pb.Empty()
 
     def _connect_client(self, inc: _Incarnation, name: str, endpoint: str) -> Client:
-        path = os.path.join(self.dir, endpoint)
-        c = Client(inc, name, endpoint, path)
+        m = inc.manager
         with self.cond:
-            inc.all_clients.append(c)
-            if self.mode == "1.32":
-                inc.handler_clients[name] = c  # registerClient: replaces, the old one is not closed
-            else:
-                inc.handler_clients.setdefault(name, []).append(c)
+            c = m.register(name, endpoint, os.path.join(self.dir, endpoint), time.monotonic())
         try:
             self._delay("before_dial")
-            channel = self._dial_plugin(inc, path)
+            channel = self._dial_plugin(inc, c.path)
             with self.cond:  # set even if a teardown's Disconnect ran meanwhile (it found nothing to close)
-                c.channel = channel
-                c.stub = DevicePluginStub(channel)
+                c.conn = _Connection(channel)
             self._delay("after_dial")
             self._plugin_connected(inc, c)
         except KubeletError:
-            self._deregister(inc, name, c)
+            with self.cond:
+                m.failed(c)
             raise
         threading.Thread(target=self._run_client, args=(inc, c), daemon=True, name=f"law-{name}").start()
         return c
@@ -603,93 +457,85 @@ class Kubelet:
 
     def _plugin_connected(self, inc: _Incarnation, c: Client) -> None:
         """ManagerImpl.PluginConnected: options (no timeout in kubelet), then the endpoint."""
+        m = inc.manager
         self._delay("before_options")
         try:
             with self.cond:
-                stub = c.stub
-            if stub is None:
+                conn = c.conn
+            if conn is None:
                 raise ValueError("closed")
-            options = stub.GetDevicePluginOptions(pb.Empty(), timeout=60)
-        except (grpc.RpcError, ValueError) as e:  # in 1.32 the connection is left open (kubernetes#124716)
+            options = conn.stub.GetDevicePluginOptions(pb.Empty(), timeout=60)
+        except (grpc.RpcError, ValueError) as e:
             detail = f"rpc error: code = {e.code().name} desc = {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
-            if self.mode != "1.32":
-                _close_client_channel(c)
+            with self.cond:
+                close = m.options_failed(c)
+            if close:
+                self._close_connection(c)
             raise KubeletError(f"failed to get device plugin options: {detail}")
-        c.options = options
         self._delay("before_set_endpoint")
         with self.cond:
-            if self.mode == "current" and c.path in inc.endpoint_store.get(c.resource, {}):
-                err = f"device plugin already connected: {c.path}"
-            else:
-                err = None
-                e = Endpoint(c.resource, c, c.path, options)
-                inc.endpoints[c.resource] = e
-                if self.mode == "current":
-                    inc.endpoint_store.setdefault(c.resource, {})[c.path] = e
-                self.cond.notify_all()
-        if err:
-            _close_client_channel(c)
-            raise KubeletError(err)
+            refused = m.set_endpoint(c, options)
+            self.cond.notify_all()
+        if refused:
+            self._close_connection(c)
+            raise KubeletError(refused)
 
     def _run_client(self, inc: _Incarnation, c: Client) -> None:
-        """runClient: Run, then the teardown, looking the client up again."""
+        """runClient: Run, then the teardown, looking the client up again (by name in 1.32)."""
+        m = inc.manager
         self._delay("before_stream")
-        c.run()
-        with self.cond:
-            if not inc.alive:
-                return
+        if not self._run(inc, c):
+            return
         self._delay("teardown")
         with self.cond:
-            if self.mode == "1.32":
-                found = inc.handler_clients.get(c.resource)  # BY NAME: maybe a newer client
-            else:
-                found = next((x for x in inc.handler_clients.get(c.resource, []) if x.path == c.path), None)
+            found = m.lookup(c, time.monotonic())
         if found is not None:
             self._delay("teardown_lookup")
             with self.cond:
-                if not inc.alive:
+                if not m.alive:
                     return
-            self._deregister(inc, c.resource, found)
-            found.disconnect()
-            self._plugin_disconnected(inc, c.resource, found.path)
+                m.let_go(c, found)
+                conn, found.conn = found.conn, None
+            if conn is not None:
+                conn.channel.close()  # at once, as Go's conn.Close(): the plugin sees it before the devices go unhealthy
+            with self.cond:
+                m.disconnected(c, found, time.monotonic())
         with self.cond:
-            c.torn_down_at = time.monotonic()
             self.cond.notify_all()
         self._changed()
 
-    def _deregister(self, inc: _Incarnation, name: str, c: Client) -> None:
-        with self.cond:
-            if self.mode == "1.32":
-                inc.handler_clients.pop(name, None)  # delete(s.clients, name): whatever is there now
-            else:
-                lst = inc.handler_clients.get(name, [])
-                if c in lst:
-                    lst.remove(c)
-                if not lst:
-                    inc.handler_clients.pop(name, None)
+    def _run(self, inc: _Incarnation, c: Client) -> bool:
+        """c.Run(): ListAndWatch until it ends, every message to the device manager. True: the
+        teardown follows."""
+        m = inc.manager
+        try:
+            with self.cond:
+                stream = None
+                if m.alive and m.may_stream(c):
+                    c.conn.stream = stream = c.conn.stub.ListAndWatch(pb.Empty())
+                    m.stream_opened(c, time.monotonic())
+                    self.cond.notify_all()
+            for resp in stream or ():
+                with self.cond:
+                    t = time.perf_counter()
+                    if not m.listed(c, _devices(resp.devices)):
+                        break
+                    self.updates += 1
+                    self.message_handled(c, resp, time.perf_counter() - t)
+                    self.cond.notify_all()
+        except (grpc.RpcError, ValueError):  # ValueError: the channel closed before the call began
+            pass
+        finally:
+            with self.cond:
+                follows = m.stream_ended(c, time.monotonic())
+                self.cond.notify_all()
+        return follows
 
-    def _plugin_disconnected(self, inc: _Incarnation, name: str, path: str) -> None:
+    def _close_connection(self, c: Client) -> None:
         with self.cond:
-            if not inc.alive:
-                return
-            now = time.monotonic()
-            if self.mode == "1.32":
-                e = inc.endpoints.get(name)
-                if e is not None:
-                    inc.mark_unhealthy(name)
-                    e.stopped_at = now  # whatever endpoint is current
-            else:
-                store = inc.endpoint_store.get(name, {})
-                e = store.pop(path, None)
-                if e is not None:
-                    e.stopped_at = now
-                    if store:  # another endpoint of the resource is still live: it takes over
-                        if inc.endpoints.get(name) is e:
-                            inc.endpoints[name] = list(store.values())[-1]
-                    else:
-                        inc.endpoint_store.pop(name, None)
-                        inc.mark_unhealthy(name)
-            self.cond.notify_all()
+            conn, c.conn = c.conn, None
+        if conn is not None:
+            conn.channel.close()
 
     def _delay(self, step: str) -> None:
         d = self.delays.get(step)
@@ -705,9 +551,11 @@ class Kubelet:
         inc = inc or self.inc
         resp = prpb.AllocatableResourcesResponse()
         with self.cond:
-            inc.get_capacity()  # kubelet's node status sync runs every 10 s; here, at each reading
-            for name, devs in sorted(inc.allocatable_devices().items()):
-                for dev_id, (_health, nodes) in sorted(devs.items()):
+            # kubelet's node status sync (GetCapacity) runs every 10 s; here, at each reading
+            m = inc.manager
+            for name, ids in sorted(m.allocatable(time.monotonic()).items()):
+                for dev_id in sorted(ids):
+                    nodes = m.all_devices[name][dev_id][1]
                     if nodes is None:
                         resp.devices.add(resource_name=name, device_ids=[dev_id])
                     else:
@@ -719,59 +567,19 @@ class Kubelet:
     # --- admission (the device manager's part of admitting a pod) ---------------------------
 
     def rejection(self, resource: str, inc: Optional[_Incarnation] = None) -> Optional[str]:
-        """Why kubelet would reject a pod requesting one unit of `resource` right now
-        (UnexpectedAdmissionError; OutOf<resource> for a resource never registered: kubelet
-        retries neither), None if it would admit it, DOWN if no kubelet runs (a pod then
-        waits, it is not rejected). A resource absent from the healthy sets is not the device
-        manager's (isDevicePluginResource) and the node has none of it; otherwise kubelet's
-        Allocate (allocateContainerResources) checks, in order: devicesToAllocate (a healthy
-        device, enough of them free: no pods here), the
-        resource's endpoint (known, not stopped), then the Allocate RPC on its connection, which
-        fails if kubelet closed that connection or the plugin is gone; for the last, an ended
-        ListAndWatch stream stands in (a plugin that died or stopped serving ended it; a stream
+        """Why kubelet would reject a pod requesting one unit of `resource` right now (the
+        model's DeviceManager.rejection: None admits, DOWN when no kubelet runs). For the
+        connection, an ended ListAndWatch stream stands in for a plugin that is gone (a stream
         kubelet itself ended is counted from then on, a little early). Same in both modes: the
         current endpoint is what Allocate uses."""
         with self.cond:
-            inc = inc or self.inc
-            if not inc.alive:
-                return DOWN
-            if resource not in inc.healthy:  # isDevicePluginResource: no; the node's allocatable decides
-                return f"{resource} is not registered: the node has none (Node didn't have enough resource: {resource})"
-            if not inc.healthy[resource]:
-                return f"no healthy devices present; cannot allocate unhealthy devices {resource}"
-            e = inc.endpoints.get(resource)
-            if e is None:
-                return f"unknown Device Plugin {resource}"
-            if e.stopped_at is not None:
-                return f"endpoint {e!r} has been stopped"
-            c = e.client
-            if c is None or c.closed or c.channel is None:
-                return f"endpoint {e!r}: grpc: the client connection is closing"
-            if c.stream_ended_at is not None:
-                return f"endpoint {e!r}: the plugin's stream ended (Allocate would fail)"
-            return None
+            return (inc or self.inc).manager.rejection(resource)
 
     def readmission(self, pod: dict, inc: Optional[_Incarnation] = None) -> Optional[str]:
         """Why kubelet would reject `pod`, bound to the node with its containers not running
-        (a reboot), at admission now; None if it admits it. devicesToAllocate for such a
-        container checks, before anything else: the resource registered (from the checkpoint
-        too), a healthy device, every device the checkpoint gave it still healthy; with all of
-        its devices from before, it then asks the plugin nothing (no Allocate). A pod with no
-        devices from before is a new one: rejection()."""
+        (a reboot), at admission now; None if it admits it (DeviceManager.readmission)."""
         with self.cond:
-            inc = inc or self.inc
-            if not inc.alive:
-                return DOWN
-            resource, before = pod["resource"], set(pod.get("devices") or ())
-            if not before:
-                return self.rejection(resource, inc)
-            if resource not in inc.healthy:
-                return f"cannot allocate unregistered device {resource}"
-            if not inc.healthy[resource]:
-                return f"no healthy devices present; cannot allocate unhealthy devices {resource}"
-            if not before <= inc.healthy[resource]:
-                return f"previously allocated devices are no longer healthy; cannot allocate unhealthy devices {resource}"
-            return None
+            return (inc or self.inc).manager.readmission(pod["resource"], pod.get("devices") or ())
 
     def _first_admission(self, inc: _Incarnation, serving_at: float) -> None:
         """The batch of pods bound to the node, `first_admission` seconds after kubelet.sock
@@ -804,18 +612,18 @@ class Kubelet:
     def clients(self) -> Dict[str, Client]:
         """The client behind each resource's current endpoint."""
         with self.cond:
-            return {n: e.client for n, e in self.inc.endpoints.items() if e.client is not None}
+            return {n: e.client for n, e in self.manager.endpoints.items() if e.client is not None}
 
     def current_endpoint(self, resource: str) -> Optional[str]:
         """The socket file name of the resource's current endpoint (None if none)."""
         with self.cond:
-            e = self.inc.endpoints.get(resource)
+            e = self.manager.endpoints.get(resource)
             return e.name if e is not None else None
 
     def stopped(self, resource: str) -> Optional[bool]:
         """Whether the resource's current endpoint is stopped (None: no endpoint)."""
         with self.cond:
-            e = self.inc.endpoints.get(resource)
+            e = self.manager.endpoints.get(resource)
             return None if e is None else e.stopped_at is not None
 
     def refuse_registers(self, endpoint_refused) -> None:
@@ -826,7 +634,7 @@ class Kubelet:
     def live_streams(self, resource: str) -> List[Client]:
         """Clients of this kubelet process whose ListAndWatch for `resource` is open."""
         with self.cond:
-            return [c for c in self.inc.all_clients if c.resource == resource and c.streaming]
+            return [c for c in self.manager.all_clients if c.resource == resource and c.streaming]
 
     def registration_count(self, resource: str) -> int:
         with self.cond:
@@ -836,7 +644,8 @@ class Kubelet:
         """The node's allocatable for `resource` (GetCapacity): healthy units, 0 once stopped units
         are marked unhealthy, gone after the grace period."""
         with self.cond:
-            return self.inc.get_capacity().get(resource, (0, 0))[1] if self.inc.alive else 0
+            m = self.manager
+            return m.capacity(time.monotonic()).get(resource, (0, 0))[1] if m.alive else 0
 
     node_allocatable = capacity
 
@@ -862,9 +671,9 @@ class Kubelet:
     def devices(self, resource: str) -> Dict[str, str]:
         """The device manager's view: every known ID of the resource and its health."""
         with self.cond:
-            inc = self.inc
-            out = {i: "Unhealthy" for i in inc.unhealthy.get(resource, ())}
-            out.update({i: "Healthy" for i in inc.healthy.get(resource, ())})
+            m = self.manager
+            out = {i: "Unhealthy" for i in m.unhealthy.get(resource, ())}
+            out.update({i: "Healthy" for i in m.healthy.get(resource, ())})
             return out
 
     def wait(self, predicate, timeout: float = 10.0) -> bool:
@@ -876,7 +685,7 @@ class Kubelet:
         current endpoint is not stopped and its stream is up."""
 
         def ok():
-            e = self.inc.endpoints.get(resource)
+            e = self.manager.endpoints.get(resource)
             n = sum(1 for r in self.registrations if r["resource"] == resource)
             return n >= registrations and e is not None and e.stopped_at is None and e.client is not None \
                 and e.client.connected
@@ -886,23 +695,17 @@ class Kubelet:
         """Allocate as kubelet does: one container request, on the current endpoint; kubelet's own
         refusals raise KubeletError. check_health adds devicesToAllocate's checks."""
         with self.cond:
-            inc = self.inc
-            e = inc.endpoints.get(resource)
-            if e is None:
-                raise KubeletError(f"unknown Device Plugin {resource}")
-            if check_health:
-                if resource not in inc.healthy:
-                    raise KubeletError(f"cannot allocate unregistered device {resource}")
-                if not inc.healthy[resource]:
-                    raise KubeletError(f"no healthy devices present; cannot allocate unhealthy devices {resource}")
-            if e.stopped_at is not None:
-                raise KubeletError(f"endpoint {e!r} has been stopped")
-            stub = e.client.stub if e.client is not None else None
-        if stub is None:
+            m = self.manager
+            refusal = m.allocate_refusal(resource, check_health)
+            if refusal is not None:
+                raise KubeletError(refusal)
+            e = m.endpoints[resource]
+            conn = e.client.conn if e.client is not None else None
+        if conn is None:
             raise KubeletError(f"endpoint {e!r} has no connection")
         req = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
         try:
-            return stub.Allocate(req, timeout=timeout)
+            return conn.stub.Allocate(req, timeout=timeout)
         except ValueError as err:  # the connection was closed under it
             raise KubeletError(f"endpoint {e!r}: {err}")
 
@@ -912,34 +715,24 @@ class Kubelet:
             return len(self.register_calls)
 
     def duplicates(self, resource: str, since: int = 0) -> List[tuple]:
-        """Pairs of Register calls for `resource` accepted by one kubelet process, the second
-        arriving before the first's client had been torn down by kubelet."""
+        """Pairs of Register calls for `resource` accepted by one kubelet process, since the mark
+        `since`, the second arriving before the first's client had been torn down by kubelet."""
         with self.cond:
-            accepted = [r for r in self.register_calls[since:] if r["resource"] == resource and r["error"] is None
-                        and r["done_at"] is not None]
-            out = []
-            for a, b in zip(accepted, accepted[1:]):
-                if a["incarnation"] != b["incarnation"]:
-                    continue
-                c = a["client"]
-                if c is None or c.torn_down_at is None or c.torn_down_at > b["at"]:
-                    out.append((a, b))
-            return out
+            among = {r["client"] for r in self.register_calls[since:] if r["client"] is not None}
+            return [(a.client, b.client) for inc in self.processes for a, b in inc.manager.duplicates(resource, among)]
 
     def assert_healthy(self, resource: str, expected: int, since: int = 0, new_registrations: int = 0,
                        timeout: float = 10.0) -> None:
-        """The healthy end state, waited for up to `timeout`: at least `new_registrations` Register
-        calls of `resource` accepted since `since` (a mark()); kubelet quiet (no Register call in
-        flight, every ended stream torn down); exactly one live ListAndWatch stream for `resource`,
-        on the newest registered socket; that endpoint current and not stopped; allocatable
-        (pod-resources and the node) equal to `expected`; then an Allocate through kubelet's endpoint
-        succeeds, the state still holds, and no duplicate registration since `since`."""
+        """The healthy end state, waited for up to `timeout`: the model's (DeviceManager.problems:
+        kubelet quiet, exactly one live ListAndWatch stream for `resource`, on the newest
+        registration's socket, that endpoint current and not stopped, allocatable to the node and in
+        pod-resources equal to `expected`), with at least `new_registrations` Register calls of
+        `resource` accepted since `since` (a mark()) and none in flight, in any process; then an
+        Allocate through kubelet's endpoint succeeds, the state still holds, and no duplicate
+        registration since `since`."""
 
         def problems() -> List[str]:
-            out = []
-            inc = self.inc
-            if not inc.alive:
-                return ["kubelet is not running"]
+            out = self.manager.problems(resource, expected, time.monotonic())
             new = [r for r in self.register_calls[since:] if r["resource"] == resource and r["error"] is None
                    and r["done_at"] is not None]
             if len(new) < new_registrations:
@@ -947,32 +740,6 @@ class Kubelet:
             busy = [r["endpoint"] for r in self.register_calls if r["done_at"] is None]
             if busy:
                 out.append(f"Register calls in flight: {busy}")
-            pending = [c for c in inc.all_clients if c.stream_ended_at is not None and c.torn_down_at is None]
-            if pending:
-                out.append(f"teardowns pending: {pending}")
-            accepted = [r for r in self.registrations if r["resource"] == resource and r["incarnation"] == inc.n]
-            if not accepted:
-                return out + [f"no registration of {resource} accepted by kubelet#{inc.n}"]
-            newest = accepted[-1]
-            live = [c for c in inc.all_clients if c.resource == resource and c.streaming]
-            if len(live) != 1:
-                out.append(f"{len(live)} live ListAndWatch streams, not 1: {live}")
-            elif live[0].endpoint != newest["endpoint"] or not live[0].connected:
-                out.append(f"the live stream {live[0]} is not the newest registration's ({newest['endpoint']})")
-            e = inc.endpoints.get(resource)
-            if e is None:
-                out.append("no endpoint")
-            else:
-                if e.stopped_at is not None:
-                    out.append(f"endpoint {e!r} is stopped")
-                if e.name != newest["endpoint"] or e.client is not newest["client"]:
-                    out.append(f"current endpoint {e!r} is not the newest registration's ({newest['endpoint']})")
-            cap = inc.get_capacity().get(resource, (0, 0))[1]
-            if cap != expected:
-                out.append(f"node allocatable {cap} != {expected}")
-            alloc = len({i for i in inc.allocatable_devices().get(resource, {})})
-            if alloc != expected:
-                out.append(f"pod-resources allocatable {alloc} != {expected}")
             return out
 
         deadline = time.monotonic() + timeout
@@ -998,13 +765,13 @@ class Kubelet:
             raise AssertionError(f"{resource}: left the healthy end state: {'; '.join(found)}\n{self.dump(resource)}")
         dup = self.duplicates(resource, since)
         if dup:
-            pairs = "; ".join(f"{a['endpoint']}@{a['at']:.4f} then {b['endpoint']}@{b['at']:.4f}" for a, b in dup)
+            pairs = "; ".join(f"{a.endpoint}@{a.registered_at:.4f} then {b.endpoint}@{b.registered_at:.4f}" for a, b in dup)
             raise AssertionError(f"{resource}: duplicate registrations in one kubelet process: {pairs}\n{self.dump(resource)}")
 
     def dump(self, resource: Optional[str] = None, last: int = 12) -> str:
         """The state, for failure messages."""
         with self.cond:
-            inc = self.inc
+            inc, m = self.inc, self.manager
             t0 = inc.started_at
             lines = [f"kubelet stand-in mode={self.mode} kubelet#{inc.n} alive={inc.alive} grace={self.grace}s"]
             calls = [r for r in self.register_calls if resource is None or r["resource"] == resource][-last:]
@@ -1016,18 +783,18 @@ class Kubelet:
                     f" done {((r['done_at'] or t0) - t0):+.4f} {'ERROR ' + r['error'] if r['error'] else 'OK'}"
                     + (f" stream {_t(c.stream_started_at, t0)}..{_t(c.stream_ended_at, t0)} torn down {_t(c.torn_down_at, t0)}"
                        if c else ""))
-            for name, e in sorted(inc.endpoints.items()):
+            for name, e in sorted(m.endpoints.items()):
                 if resource is None or name == resource:
                     lines.append(f"  endpoint {name}: {e!r} stopped={'no' if e.stopped_at is None else _t(e.stopped_at, t0)}"
                                  f" client={e.client}")
-            for name in sorted(set(inc.healthy) | set(inc.unhealthy)):
+            for name in sorted(set(m.healthy) | set(m.unhealthy)):
                 if resource is None or name == resource:
-                    lines.append(f"  devices {name}: healthy={len(inc.healthy.get(name, ()))}"
-                                 f" unhealthy={len(inc.unhealthy.get(name, ()))}")
-            for name, hc in sorted(inc.handler_clients.items()):
+                    lines.append(f"  devices {name}: healthy={len(m.healthy.get(name, ()))}"
+                                 f" unhealthy={len(m.unhealthy.get(name, ()))}")
+            for name, hc in sorted(m.server_clients.items()):
                 if resource is None or name == resource:
                     lines.append(f"  handler clients {name}: {hc}")
-            live = [c for c in inc.all_clients if c.streaming and (resource is None or c.resource == resource)]
+            live = [c for c in m.all_clients if c.streaming and (resource is None or c.resource == resource)]
             lines.append(f"  live streams: {live}")
         try:
             lines.append(f"  plugin dir: {sorted(os.listdir(self.dir))}")
@@ -1037,33 +804,33 @@ class Kubelet:
 
     def state(self) -> dict:
         with self.cond:
-            inc = self.inc
-            caps = inc.get_capacity() if inc.alive else {}
+            m = self.manager
+            caps = m.capacity(time.monotonic()) if m.alive else {}
             resources = {}
-            names = set(inc.endpoints) | set(inc.healthy) | {r["resource"] for r in self.registrations}
+            names = set(m.endpoints) | set(m.healthy) | {r["resource"] for r in self.registrations}
             for name in sorted(names):
-                e = inc.endpoints.get(name)
+                e = m.endpoints.get(name)
                 c = e.client if e else None
                 resources[name] = {
                     "endpoint": e.name if e else None,
                     "registrations": sum(1 for r in self.registrations if r["resource"] == name),
                     "connected": bool(c and c.connected and e.stopped_at is None),
                     "stopped": bool(e and e.stopped_at is not None),
-                    "healthy": len(inc.healthy.get(name, ())),
-                    "unhealthy": len(inc.unhealthy.get(name, ())),
+                    "healthy": len(m.healthy.get(name, ())),
+                    "unhealthy": len(m.unhealthy.get(name, ())),
                     "allocatable": caps.get(name, (0, 0))[1],
-                    "live_streams": sum(1 for x in inc.all_clients if x.resource == name and x.streaming),
+                    "live_streams": sum(1 for x in m.all_clients if x.resource == name and x.streaming),
                 }
             calls = {client: dict(counts) for client, counts in self.pod_resources_counts.items()}
-            return {"pid": os.getpid(), "mode": self.mode, "restarts": self.restarts, "alive": inc.alive,
+            return {"pid": os.getpid(), "mode": self.mode, "restarts": self.restarts, "alive": m.alive,
                     "resources": resources, "pod_resources_calls": calls,
                     "first_admissions": [dict(b, pods=[dict(p) for p in b["pods"]]) for b in self.first_admissions],
                     "rate_limit": list(self.rate_limit) if self.rate_limit else None}
 
     def write_checkpoint(self) -> None:
-        """As kubelet does after every ListAndWatch message (called with the lock held):
-        the registered resources and their healthy IDs."""
-        data = {"RegisteredDevices": {n: sorted(ids) for n, ids in self.inc.healthy.items()}}
+        """As kubelet does after every ListAndWatch message (the model calls it, with the lock
+        held): the registered resources and their healthy IDs."""
+        data = {"RegisteredDevices": {n: sorted(ids) for n, ids in self.manager.healthy.items()}}
         try:
             fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".checkpoint")
             with os.fdopen(fd, "w") as f:
@@ -1072,29 +839,21 @@ class Kubelet:
         except OSError:
             pass  # the directory may be going away under a test
 
-    def _read_checkpoint(self, inc: _Incarnation) -> None:
-        """readCheckpoint: every registered resource comes back with no devices and a stopped endpoint."""
+    def _read_checkpoint(self) -> List[str]:
+        """readCheckpoint: the registered resources (the model restores them stopped, with no devices)."""
         try:
             with open(os.path.join(self.dir, CHECKPOINT)) as f:
-                names = json.load(f).get("RegisteredDevices", {})
+                return list(json.load(f).get("RegisteredDevices", {}))
         except (OSError, ValueError, AttributeError):
-            return
-        now = time.monotonic()
-        with self.cond:
-            for name in names:
-                inc.healthy[name] = set()
-                inc.unhealthy[name] = set()
-                inc.endpoints[name] = Endpoint(name, None, None, stopped_at=now)
-            self.cond.notify_all()
+            return []
 
-    def message_handled(self, client: "Client", resp, seconds: float) -> None:
+    def message_handled(self, client: Client, resp, seconds: float) -> None:
         """Called (lock held) after each ListAndWatch message is handled, with the time the
         device manager's part took (device sets and checkpoint); for benchmarks to override."""
 
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(self)
-
 
 class _Condition(threading.Condition):
     """The stand-in's lock and condition. Every change to kubelet's state is followed by
@@ -1113,7 +872,6 @@ class _Condition(threading.Condition):
     notifyAll = notify_all
 
 
-DOWN = "kubelet is not running"  # Kubelet.rejection(): no kubelet, so no admission (nothing rejected)
 POD_PERIOD_S = 0.01  # AdmissionLog.pods_rejected(): a pod put in every 10 ms (100 a second)
 
 
@@ -1242,8 +1000,8 @@ class AdmissionLog:
                 continue
             total += b - a
             spells += 1
-            for pa, pb, reason in parts:
-                if min(pb, t1) > max(pa, t0) and reason not in reasons:
+            for part_start, part_end, reason in parts:
+                if min(part_end, t1) > max(part_start, t0) and reason not in reasons:
                     reasons.append(reason)
         return total, spells, reasons
 
@@ -1425,9 +1183,10 @@ class _PodResources:
 
     def _admit(self, method: str, context) -> None:
         """kubelet's LimiterUnaryServerInterceptor: refuse when the bucket is empty; count either way."""
-        answered = self.inc.limiter is None or self.inc.limiter.allow()
         client = _client_of(context)
         with self.kubelet.cond:
+            limiter = self.inc.manager.limiter
+            answered = limiter is None or limiter.allow(time.monotonic())
             self.kubelet.pod_resources_log.append((time.monotonic(), client, method, answered))
             counts = self.kubelet.pod_resources_counts.setdefault(client, {"answered": 0, "refused": 0})
             counts["answered" if answered else "refused"] += 1
@@ -1442,29 +1201,6 @@ class _PodResources:
     def List(self, request, context):
         self._admit("List", context)
         return prpb.ListPodResourcesResponse()  # no pods on this node
-
-
-class TokenBucket:
-    """golang.org/x/time/rate's Limiter as kubelet uses it (Allow): `burst` tokens at first,
-    refilled at `rate` a second up to `burst`; a call takes one or is refused."""
-
-    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic):
-        self.rate = float(rate)
-        self.burst = int(burst)
-        self._clock = clock
-        self._tokens = float(burst)
-        self._at = clock()
-        self._lock = threading.Lock()
-
-    def allow(self) -> bool:
-        with self._lock:
-            now = self._clock()
-            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
-            self._at = now
-            if self._tokens >= 1:
-                self._tokens -= 1
-                return True
-            return False
 
 
 def _client_of(context) -> str:
@@ -1525,11 +1261,9 @@ def _close(channel: grpc.Channel) -> None:
     threading.Thread(target=channel.close, daemon=True).start()
 
 
-def _close_client_channel(c: Client) -> None:
-    with c.inc.kubelet.cond:
-        channel, c.channel, c.stub = c.channel, None, None
-    if channel is not None:
-        channel.close()
+def _devices(devices) -> Dict[str, Device]:
+    """A ListAndWatch message's devices as the model keeps them: ID -> (health, NUMA node IDs or None)."""
+    return {d.ID: (d.health, [n.ID for n in d.topology.nodes] if d.HasField("topology") else None) for d in devices}
 
 
 def _t(at: Optional[float], t0: float) -> str:

@@ -1,5 +1,5 @@
 """A device plugin in this process, standing in for the daemon where the kubelet stand-in
-itself is tested (tests/meta/test_standin.py) or measured (bench/lifecycle.py): each step is then
+itself is tested (tests/rig/test_kubelet_standin.py) or measured (bench/lifecycle.py): each step is then
 driven and waited for here, not timed against another process."""
 
 import os

@@ -126,14 +126,14 @@ def test_numa_nodes_reach_kubelet_and_the_preferred_allocation_keeps_to_one(star
     d = start_daemon(config=write(tmp_path / "c.toml", VFIO_TOML), extra_args=["--sys-root", sys_root])
     d.wait_ready()
     assert kubelet.wait_connected(VFIO), d.log()
-    assert kubelet.wait(lambda: len(kubelet.inc.all_devices.get(VFIO, {})) == 4, 5)
+    assert kubelet.wait(lambda: len(kubelet.manager.all_devices.get(VFIO, {})) == 4, 5)
     with kubelet.cond:
-        numa = {i: nodes for i, (_, nodes) in kubelet.inc.all_devices[VFIO].items()}
+        numa = {i: nodes for i, (_, nodes) in kubelet.manager.all_devices[VFIO].items()}
     assert numa == {"vfio-10": [0], "vfio-11": [0], "vfio-12": [1], "vfio-13": [1]}
     allocatable = kubelet.get_allocatable_resources()
     assert {(d.device_ids[0], d.topology.nodes[0].ID) for d in allocatable.devices if d.resource_name == VFIO} == {
         ("vfio-10", 0), ("vfio-11", 0), ("vfio-12", 1), ("vfio-13", 1)}
-    stub = kubelet.clients[VFIO].stub
+    stub = kubelet.clients[VFIO].conn.stub
     req = pb.PreferredAllocationRequest(container_requests=[pb.ContainerPreferredAllocationRequest(
         available_deviceIDs=["vfio-13", "vfio-10", "vfio-12", "vfio-11"], must_include_deviceIDs=["vfio-12"],
         allocation_size=2)])

@@ -187,7 +187,7 @@ def test_an_id_of_the_list_kubelet_still_holds_is_granted_after_a_reload_lowers_
     with kubelet.cond:  # kubelet has not processed what we send next
         write(cfg, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = 512\n')
         reload(d)
-        assert "kvm-987" in kubelet.inc.healthy["ate.dev/kvm"]  # still the old list
+        assert "kvm-987" in kubelet.manager.healthy["ate.dev/kvm"]  # still the old list
         answer = kubelet.allocate("ate.dev/kvm", ["kvm-987"])
         assert [(s.host_path, s.permissions) for s in answer.container_responses[0].devices] == [("/dev/kvm", "rw")]
     assert kubelet.wait(lambda: kubelet.capacity("ate.dev/kvm") == 512, 5), d.log()

@@ -22,7 +22,8 @@ from typing import Optional
 import pytest
 
 from rig.harness import RESOURCE, current_socket, plugin_sockets, wait_until
-from rig.kubelet_standin import DELAY_STEPS, Kubelet
+from rig.kubelet_model import STEPS
+from rig.kubelet_standin import Kubelet
 
 pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make check`
 
@@ -42,7 +43,7 @@ def rng(request):
 @pytest.fixture
 def kubelet(plugin_dir, kubelet_mode, rng):
     """The stand-in with every step of Register and of a stream's teardown delayed by 0–30 ms."""
-    delays = {step: (lambda: rng.uniform(0, MAX_DELAY)) for step in DELAY_STEPS}
+    delays = {step: (lambda: rng.uniform(0, MAX_DELAY)) for step in STEPS}
     # kubelet.sock is bound a moment before it is listened on, as net.Listen does: the first
     # Register can be refused.
     k = Kubelet(plugin_dir, kubelet=kubelet_mode, delays=delays, grace=5.0, listen_gap=lambda: rng.uniform(0, 0.005))
@@ -318,8 +319,9 @@ def test_kubelet_silently_stops_counting_us_is_caught_through_pod_resources(star
         end_state(k, d, rng, since=0, new=1)
         m = k.mark()
         with k.cond:
-            path = k.inc.endpoints[RESOURCE].path
-        k._plugin_disconnected(k.inc, RESOURCE, path)  # what the late teardown does, and no more
+            path = k.manager.endpoints[RESOURCE].path
+            k.manager._plugin_disconnected(RESOURCE, path, time.monotonic())  # what the late teardown does, and no more
+            k.cond.notify_all()
         assert k.stopped(RESOURCE) and k.allocatable(RESOURCE) == 0 and len(k.live_streams(RESOURCE)) == 1
         k.assert_healthy(RESOURCE, 1024, since=m, new_registrations=1, timeout=90)
         warned = r"WARNING ate.dev/kvm: kubelet does not count our devices \(pod-resources lists 0 of 1024 " \

@@ -1,79 +1,36 @@
-"""Models of kubelet's device manager, one per generation, on a simulated clock.
+"""kubelet on the simulated clock: rig/kubelet_model.py's device manager, each step an event.
 
-The same bookkeeping as the process-level stand-in (rig/kubelet_standin.py,
-read from kubelet's pkg/kubelet/cm/devicemanager), without sockets or threads:
-every step that takes time in kubelet is a scheduled event, with a random delay
-of its own, so a seed fixes one interleaving.
-
-`1.32` (every kubelet before kubernetes PR #135437): clients and endpoints keyed
-by resource name; Register stores the client by name before dialing; a stream's
-teardown looks the client up again by name, deregisters and disconnects it,
-then PluginDisconnected(name) marks the devices unhealthy and stops whatever
-endpoint is current. `current`: clients kept per name + socket path, a second
-connection on the same path refused, a teardown evicts what sits at its path,
-and another live endpoint of the resource takes over.
+The bookkeeping is the model's, the same the process-level stand-in runs (both kubelet
+generations). What is the simulation's own: every step that takes time in kubelet (the model's
+STEPS) is a scheduled event with a random delay of its own, so a seed fixes one interleaving;
+the connections are the world's plugin servers (tests/simulation/host.py); the checkpoint
+outlives a kill here; and the end-state check adds what only the world knows: Registers left
+orphaned by a killed daemon, the daemon's own socket, a node agent's share of pod-resources.
 """
 
-from typing import Dict, List, Optional
+import itertools
+from typing import Dict, List, Mapping, Optional
+
+from rig.kubelet_model import HEALTHY, MODES, Client, Device, DeviceManager
 
 # pkg/kubelet/apis/podresources/constants.go: every client of pod-resources together.
-POD_RESOURCES_RATE, POD_RESOURCES_BURST = 100.0, 10.0
-STEPS = ("before_dial", "after_dial", "before_options", "before_set_endpoint", "before_return",
-         "before_stream", "teardown", "teardown_lookup")
+POD_RESOURCES_RATE, POD_RESOURCES_BURST = 100.0, 10
 DIAL_TIMEOUT_S = 10.0
 DIAL_RETRY_S = 1.0
+_LISTS: Dict[int, Mapping[str, Device]] = {}  # healthy units -> the ListAndWatch message, made once
 
 
-class SimulatedClient:
-    __slots__ = ("resource", "path", "conn", "streaming", "ended_at", "torn_down", "closed", "n", "knocked_out_by")
-
-    def __init__(self, resource: str, path: str, n: int):
-        self.resource = resource
-        self.path = path  # the socket file name, as registered
-        self.conn = None  # the plugin-side server it dialled
-        self.streaming = False
-        self.ended_at: Optional[float] = None
-        self.torn_down: Optional[float] = None  # when the teardown after its stream ended finished
-        self.closed = False
-        self.n = n
-        self.knocked_out_by: Optional[str] = None  # the socket whose teardown, by name, disconnected this one
-
-    def __repr__(self) -> str:
-        return f"client#{self.n}({self.path} streaming={self.streaming} torn_down={self.torn_down})"
-
-
-class SimulatedEndpoint:
-    __slots__ = ("client", "path", "stopped_at", "stopped_by")
-
-    def __init__(self, client: Optional[SimulatedClient], path: Optional[str], stopped_at: Optional[float] = None):
-        self.client = client
-        self.path = path
-        self.stopped_at = stopped_at
-        self.stopped_by: Optional[str] = None  # the socket whose teardown stopped it
-
-
-class Incarnation:
-    """One kubelet process."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self.alive = True
-        self.listening = False
-        self.clients: Dict[str, object] = {}  # 1.32: name -> SimulatedClient; current: name -> [SimulatedClient]
-        self.all_clients: List[SimulatedClient] = []
-        self.endpoints: Dict[str, SimulatedEndpoint] = {}
-        self.store: Dict[str, Dict[str, SimulatedEndpoint]] = {}  # current: name -> path -> endpoint
-        self.healthy: Dict[str, int] = {}  # name -> healthy device count
-        self.accepted: List[tuple] = []  # (resource, path, arrived_at, client) of Registers that returned OK
-        self.in_flight = 0
-        self.tokens, self.filled_at = POD_RESOURCES_BURST, None  # pod-resources' rate limiter
+def _listing(healthy: int) -> Mapping[str, Device]:
+    if healthy not in _LISTS:
+        _LISTS[healthy] = {str(i): (HEALTHY, None) for i in range(healthy)}
+    return _LISTS[healthy]
 
 
 class KubeletModel:
     """kubelet's side of the wire, as events on the world's clock."""
 
     def __init__(self, world, mode: str, pod_resources: bool = True, agent_rps: float = 80.0):
-        if mode not in ("1.32", "current"):
+        if mode not in MODES:
             raise ValueError(mode)
         self.w = world
         self.mode = mode
@@ -83,27 +40,29 @@ class KubeletModel:
         self.agent_rps = agent_rps
         self.exhausted = 0  # our questions kubelet's limit refused
         self.orphans_won = 0  # end states an orphaned Register took over (see problems)
-        self.inc: Optional[Incarnation] = None
+        self.inc: Optional[DeviceManager] = None
         self.incarnations = 0
-        self.checkpoint: Dict[str, int] = {}
-        self._clients = 0
+        self.checkpoint: List[str] = []  # the resources in kubelet's checkpoint file
+        self._numbers = itertools.count(1)
 
     # --- the process ---------------------------------------------------------------
 
     def start(self) -> None:
         """A new kubelet process: checkpoint, wipe the sockets, kubelet.sock (bind, then listen)."""
         self.incarnations += 1
-        inc = self.inc = Incarnation(self.incarnations)
+        inc = self.inc = DeviceManager(self.mode, self.incarnations, self.w.now, self._numbers, self.checkpoint,
+                                       checkpoint=self._checkpointed,
+                                       rate_limit=(POD_RESOURCES_RATE - self.agent_rps, POD_RESOURCES_BURST))
         self.w.note("kubelet", f"#{inc.n} starts")
-        for name in self.checkpoint:  # known resources come back at capacity 0, endpoint stopped
-            inc.endpoints[name] = SimulatedEndpoint(None, None, stopped_at=self.w.now)
-            inc.healthy[name] = 0
         self.w.fs.make_dir()  # (kubelet makes its directory, if it is gone)
         self.w.fs.wipe()
         self.w.fs.create_kubelet_sock(inc)
         self.w.after(self.w.delay(), self._listen, inc)
 
-    def _listen(self, inc: Incarnation) -> None:
+    def _checkpointed(self, registered) -> None:
+        self.checkpoint = list(registered)
+
+    def _listen(self, inc: DeviceManager) -> None:
         if inc.alive:
             inc.listening = True
             self.w.note("kubelet", f"#{inc.n} listens")
@@ -113,7 +72,7 @@ class KubeletModel:
         inc = self.inc
         if inc is None or not inc.alive:
             return
-        inc.alive = inc.listening = False
+        inc.killed()
         self.w.note("kubelet", f"#{inc.n} killed")
         for c in inc.all_clients:
             if c.conn is not None:
@@ -129,15 +88,8 @@ class KubeletModel:
         if inc is None or not inc.listening:
             self.w.after(self.w.delay(), reply, "refused")
             return
-        inc.in_flight += 1
-        self._clients += 1
-        c = SimulatedClient(resource, path, self._clients)
-        inc.all_clients.append(c)
-        if self.mode == "1.32":
-            inc.clients[resource] = c  # replaces; the old client is not closed
-        else:
-            inc.clients.setdefault(resource, []).append(c)
-        call = {"inc": inc, "c": c, "reply": reply, "at": self.w.now, "dial_until": None}
+        c = inc.register(resource, path, path, self.w.now)  # (the world's directory names its sockets by file name)
+        call = {"inc": inc, "c": c, "reply": reply, "dial_until": None}
         self._step("before_dial", self._dial, call)
 
     def _step(self, name: str, fn, *args) -> None:
@@ -145,9 +97,8 @@ class KubeletModel:
 
     def _fail(self, call: dict, why: str) -> None:
         inc, c = call["inc"], call["c"]
-        inc.in_flight -= 1
+        inc.failed(c)
         self.w.note("kubelet", f"Register {c.path} fails: {why}")
-        self._deregister(inc, c)
         outcome = "refused" if not inc.alive else "failed"  # a dead server: UNAVAILABLE
         self.w.after(self.w.delay(), call["reply"], outcome)
 
@@ -173,6 +124,8 @@ class KubeletModel:
     def _options_answered(self, call: dict) -> None:
         inc, c = call["inc"], call["c"]
         if not inc.alive or c.conn is None or not c.conn.serving:
+            if inc.options_failed(c):
+                self._close(c)
             return self._fail(call, "failed to get device plugin options")
         self._step("before_set_endpoint", self._set_endpoint, call)
 
@@ -180,119 +133,70 @@ class KubeletModel:
         inc, c = call["inc"], call["c"]
         if not inc.alive:
             return self._fail(call, "kubelet died")
-        if self.mode == "current":
-            if c.path in inc.store.get(c.resource, {}):
-                self._disconnect(c)
-                return self._fail(call, f"device plugin already connected: {c.path}")
-            e = SimulatedEndpoint(c, c.path)
-            inc.store.setdefault(c.resource, {})[c.path] = e
-        else:
-            e = SimulatedEndpoint(c, c.path)
-        inc.endpoints[c.resource] = e
-        self.checkpoint[c.resource] = 1
+        refused = inc.set_endpoint(c, None)
+        if refused:
+            self._close(c)
+            return self._fail(call, refused)
         self._step("before_stream", self._run_client, inc, c)
         self._step("before_return", self._return, call)
 
     def _return(self, call: dict) -> None:
         inc, c = call["inc"], call["c"]
-        inc.in_flight -= 1
-        if not inc.alive:
+        if not inc.returned(c):
             self.w.after(self.w.delay(), call["reply"], "refused")
             return
-        inc.accepted.append((c.resource, c.path, call["at"], c))
         self.w.note("kubelet", f"Register {c.path} returns OK")
         self.w.after(self.w.delay(), call["reply"], "ok")
 
     # --- ListAndWatch ----------------------------------------------------------------------
 
-    def _run_client(self, inc: Incarnation, c: SimulatedClient) -> None:
-        """c.Run(): ListAndWatch; when it cannot open (connection gone), the teardown runs all the same."""
-        if not inc.alive or c.closed:
+    def _run_client(self, inc: DeviceManager, c: Client) -> None:
+        """c.Run(): ListAndWatch; when it cannot open (the connection closed or gone), the teardown runs all the same."""
+        if not inc.alive:
             return
-        if c.conn is None or not c.conn.open_stream(c):
+        if not inc.may_stream(c) or not c.conn.open_stream(c):
             self._stream_ended(inc, c)
             return
-        c.streaming = True
+        inc.stream_opened(c, self.w.now)
 
-    def devices_sent(self, c: SimulatedClient, healthy: int) -> None:
+    def devices_sent(self, c: Client, healthy: int) -> None:
         """A ListAndWatch message arrives: it replaces the resource's device set."""
-        inc = self.inc
-        if inc is None or not inc.alive or c not in inc.all_clients or not c.streaming:
-            return
-        inc.healthy[c.resource] = healthy
+        if self.inc is not None:
+            self.inc.listed(c, _listing(healthy))
 
-    def stream_closed(self, c: SimulatedClient) -> None:
+    def stream_closed(self, c: Client) -> None:
         """The plugin ended the stream, or its connection dropped: Recv returns."""
         inc = self.inc
-        if inc is None or c not in inc.all_clients or not c.streaming:
+        if inc is None or c.incarnation != inc.n or not c.streaming:
             return
         self._stream_ended(inc, c)
 
-    def _stream_ended(self, inc: Incarnation, c: SimulatedClient) -> None:
-        c.streaming = False
-        c.ended_at = self.w.now
+    def _stream_ended(self, inc: DeviceManager, c: Client) -> None:
+        if inc.stream_ended(c, self.w.now):
+            self._step("teardown", self._teardown_lookup, inc, c)
+
+    def _teardown_lookup(self, inc: DeviceManager, c: Client) -> None:
         if not inc.alive:
             return
-        self._step("teardown", self._teardown_lookup, inc, c)
+        found = inc.lookup(c, self.w.now)
+        if found is not None:
+            self._step("teardown_lookup", self._teardown, inc, c, found)
 
-    def _teardown_lookup(self, inc: Incarnation, c: SimulatedClient) -> None:
-        if not inc.alive:
-            return
-        if self.mode == "1.32":
-            found = inc.clients.get(c.resource)  # BY NAME: maybe a newer client
-        else:
-            found = next((x for x in inc.clients.get(c.resource, []) if x.path == c.path), None)
-        if found is None:
-            c.torn_down = self.w.now
-            return
-        self._step("teardown_lookup", self._teardown, inc, c, found)
-
-    def _teardown(self, inc: Incarnation, c: SimulatedClient, found: SimulatedClient) -> None:
+    def _teardown(self, inc: DeviceManager, c: Client, found: Client) -> None:
         if not inc.alive:
             return
         self.w.note("kubelet", f"teardown of {c} disconnects {found}")
-        if found is not c:
-            found.knocked_out_by = c.path
-        self._deregister(inc, found)
-        self._disconnect(found)
-        self._plugin_disconnected(inc, c.resource, found.path)
-        c.torn_down = self.w.now
+        inc.let_go(c, found)
+        self._close(found)
+        inc.disconnected(c, found, self.w.now)
 
-    def _deregister(self, inc: Incarnation, c: SimulatedClient) -> None:
-        if self.mode == "1.32":
-            inc.clients.pop(c.resource, None)  # whatever is there now
-        else:
-            lst = inc.clients.get(c.resource, [])
-            if c in lst:
-                lst.remove(c)
-            if not lst:
-                inc.clients.pop(c.resource, None)
-
-    def _disconnect(self, c: SimulatedClient) -> None:
-        c.closed = True
+    def _close(self, c: Client) -> None:
+        """kubelet closes the client's connection: its stream, if open, ends (and that teardown runs too)."""
         if c.conn is not None:
             conn, c.conn = c.conn, None
             conn.kubelet_closed(c)
-        if c.streaming:  # closing the connection ends its stream: that teardown runs too
+        if c.streaming:
             self._stream_ended(self.inc, c)
-
-    def _plugin_disconnected(self, inc: Incarnation, name: str, path: str) -> None:
-        if self.mode == "1.32":
-            e = inc.endpoints.get(name)
-            if e is not None:
-                inc.healthy[name] = 0
-                e.stopped_at, e.stopped_by = self.w.now, path  # whatever endpoint is current
-        else:
-            store = inc.store.get(name, {})
-            e = store.pop(path, None)
-            if e is not None:
-                e.stopped_at = self.w.now
-                if store:
-                    if inc.endpoints.get(name) is e:
-                        inc.endpoints[name] = list(store.values())[-1]
-                else:
-                    inc.store.pop(name, None)
-                    inc.healthy[name] = 0
 
     def end_stream(self, resource: str) -> bool:
         """kubelet itself ends the resource's live stream (as on a stream error)."""
@@ -313,62 +217,34 @@ class KubeletModel:
         inc = self.inc
         if inc is None or not inc.alive:
             return "refused"
-        now = self.w.now
-        if inc.filled_at is not None:
-            inc.tokens = min(POD_RESOURCES_BURST, inc.tokens + (now - inc.filled_at) * (POD_RESOURCES_RATE - self.agent_rps))
-        inc.filled_at = now
-        if inc.tokens < 1.0:
+        if not inc.limiter.allow(self.w.now):
             self.exhausted += 1
             return "exhausted"
-        inc.tokens -= 1.0
-        return {r: inc.healthy.get(r, 0) if r in inc.endpoints else 0 for r in resources}
+        listed = inc.allocatable(self.w.now)
+        return {r: len(listed.get(r, ())) for r in resources}
 
     # --- what the checks ask -----------------------------------------------------------
 
     def problems(self, resource: str, expected: int, socket: Optional[str]) -> List[str]:
-        """The healthy end state, as the process-level stand-in's assert_healthy defines it."""
+        """The healthy end state: the model's (newest() with takeover), with what the world knows."""
         inc = self.inc
         if inc is None or not inc.alive:
             return ["kubelet is not running"]
-        out = []
-        if inc.in_flight:
-            out.append(f"{inc.in_flight} Register call(s) in flight")
-        pending = [c for c in inc.all_clients if c.ended_at is not None and c.torn_down is None]
-        if pending:
-            out.append(f"teardowns pending: {pending}")
-        live = [c for c in inc.all_clients if c.resource == resource and c.streaming]
-        accepted = [a for a in inc.accepted if a[0] == resource]
-        if not accepted:
-            return out + ["no registration accepted by this kubelet"]
-        # kubelet 1.32 keeps one client per resource: the live one must be the newest Register's.
-        # The current kubelet keeps one per socket, and when one goes another live one takes
-        # over (an upgrade's successor that failed after registering beside its predecessor):
-        # the live one is the current endpoint's.
-        e = inc.endpoints.get(resource)
-        newest = accepted[-1][3] if self.mode == "1.32" else (e.client if e is not None else None)
-        if self.mode == "1.32" and (newest.path in self.w.orphaned or (
-                e is not None and e.stopped_at is not None and e.stopped_by in self.w.orphaned)):
+        if self.mode == "1.32" and self._orphan_won(inc, resource):
             # A Register in flight when its process was killed went on in kubelet after the next
             # registration and took the resource's name from it: nothing the next daemon can see
             # tells (docs/design.md, "What it cannot fix"), or its late teardown stopped the current
             # endpoint by name. Counted, not failed on.
             self.orphans_won += 1
-            return out
-        if len(live) != 1:
-            out.append(f"{len(live)} live streams, not 1: {live}")
-        elif live[0] is not newest:
-            out.append(f"the live stream {live[0]} is not the current registration's ({newest})")
+            return inc.unsettled()
+        # kubelet 1.32 keeps one client per resource: the live one must be the newest Register's.
+        # The current kubelet keeps one per socket, and when one goes another live one takes
+        # over (an upgrade's successor that failed after registering beside its predecessor):
+        # the live one is the current endpoint's.
+        out = inc.problems(resource, expected, self.w.now, takeover=True)
+        newest = inc.newest(resource, takeover=True)
         if socket is not None and (newest is None or newest.path != socket):
             out.append(f"kubelet's current registration {newest} is not the daemon's socket {socket}")
-        if e is None:
-            out.append("no endpoint")
-        else:
-            if e.stopped_at is not None:
-                out.append(f"endpoint {e.path} is stopped")
-            if e.client is not newest:
-                out.append(f"current endpoint {e.path} is not the newest registration's ({newest})")
-        if inc.healthy.get(resource, 0) != expected:
-            out.append(f"allocatable {inc.healthy.get(resource, 0)} != {expected}")
         if self.exhausted:
             out.append(f"kubelet's pod-resources limit refused {self.exhausted} of our questions "
                        f"(a node agent polling at {self.agent_rps:g}/s beside us)")
@@ -379,25 +255,15 @@ class KubeletModel:
         # its verification runs out, or once its predecessor's take-back registers once more).
         # (kubelet with endpoints per socket keeps two of a resource apart: an upgrade's
         # successor registers beside its predecessor there on purpose.)
-        dup = [(a.path, b.path) for a, b in self.duplicates(resource)
-               if self.mode == "1.32" and not (self._orphan_caused(a) or self._orphan_caused(b))]
+        orphaned = self.w.orphaned
+        dup = [(a.endpoint, b.endpoint) for a, b in inc.duplicates(resource) if self.mode == "1.32"
+               and not (inc.caused_by(a.client, orphaned) or inc.caused_by(b.client, orphaned))]
         if dup:
             out.append(f"duplicate Registers in one kubelet process: {dup}")
         return out
 
-    def _orphan_caused(self, c: SimulatedClient) -> bool:
-        """`c` is an orphan, or was knocked out by one, or by one that was (a teardown by name
-        of a client an orphan's teardown knocked out lands on the next: the same cause)."""
-        by_path = {x.path: x for x in self.inc.all_clients}
-        seen = set()
-        while c is not None and c.path not in seen:
-            if c.path in self.w.orphaned:
-                return True
-            seen.add(c.path)
-            c = by_path.get(c.knocked_out_by) if c.knocked_out_by else None
-        return False
-
-    def duplicates(self, resource: str) -> List[tuple]:
-        """Accepted Registers of one process, the second arriving before the first's client was torn down."""
-        acc = [a for a in self.inc.accepted if a[0] == resource]
-        return [(a[3], b[3]) for a, b in zip(acc, acc[1:]) if a[3].torn_down is None or a[3].torn_down > b[2]]
+    def _orphan_won(self, inc: DeviceManager, resource: str) -> bool:
+        newest = inc.newest(resource)
+        e = inc.endpoints.get(resource)
+        return newest is not None and (newest.path in self.w.orphaned or (
+            e is not None and e.stopped_at is not None and e.stopped_by in self.w.orphaned))

@@ -22,8 +22,7 @@ import pytest
 
 from atedevd.api import PodResourcesStub, prpb
 from atedevd.kubelet.sockets import held_connections
-from rig.kubelet_standin import (DOWN, KUBELET_RATE_LIMIT, KUBELET_SOCKET, MODES, RATE_LIMITED, AdmissionLog, Kubelet,
-                                 TokenBucket)
+from rig.kubelet_standin import DOWN, KUBELET_RATE_LIMIT, KUBELET_SOCKET, MODES, RATE_LIMITED, AdmissionLog, Kubelet
 from rig.node_agent import NodeAgent
 from rig.tiny_plugin import Plugin
 from rig.tiny_plugin import register as _register
@@ -229,7 +228,7 @@ def test_a_stream_end_lets_go_of_the_connection_at_once(plugin_dir, plugin, mode
     at_unhealthy = []
 
     def look():  # with the lock held, at every change
-        if client is not None and not at_unhealthy and not k.inc.healthy.get(RESOURCE, True):
+        if client is not None and not at_unhealthy and not k.manager.healthy.get(RESOURCE, True):
             at_unhealthy.append((time.monotonic(), client.closed_at))
 
     client = None
@@ -279,20 +278,6 @@ def test_kubelet_sock_beyond_sun_path(tmp_path):
 
 
 # --- pod-resources and kubelet's rate limit -------------------------------------------------
-
-
-def test_token_bucket_is_kubelets_limiter():
-    """x/time/rate's Allow with kubelet's 100/s, burst 10: ten at once, then one per 10 ms;
-    an idle spell refills up to the burst, never beyond."""
-    now = [0.0]
-    bucket = TokenBucket(*KUBELET_RATE_LIMIT, clock=lambda: now[0])
-    assert [bucket.allow() for _ in range(11)] == [True] * 10 + [False]
-    now[0] += 0.0099
-    assert not bucket.allow()
-    now[0] += 0.0002  # 10.1 ms after the burst: one token
-    assert bucket.allow() and not bucket.allow()
-    now[0] += 60.0
-    assert sum(bucket.allow() for _ in range(50)) == 10
 
 
 def ask(socket_path: str, user_agent: str = "") -> grpc.StatusCode:
