@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 from atedevd import config, version
+from atedevd.config_file import load as loader
 from atedevd.daemon import instance, restarts
 from atedevd.systemd import journal_is_stderr, setup_logging
 from atedevd.upgrade import peers as upgrade
@@ -84,7 +85,7 @@ def _load(args) -> config.Config:
         "log_level": getattr(args, "log_level", None),
         "metrics_dir": getattr(args, "metrics_dir", None),
     }
-    return config.load(args.config or config.DEFAULT_CONFIG_PATH, required=args.config is not None, overrides=overrides)
+    return loader.load(args.config or config.DEFAULT_CONFIG_PATH, required=args.config is not None, overrides=overrides)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -96,7 +97,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return check.check_config(args.config or config.DEFAULT_CONFIG_PATH, sys.stdout, required=args.config is not None, err=sys.stderr)
     try:
         cfg = _load(args)
-    except config.ConfigError as e:
+    except loader.ConfigError as e:
         if args.command == "run":  # to the journal, where `systemctl status` shows it
             setup_logging("info")
             logging.getLogger("atedevd").error("configuration error, not starting:\n%s", e)

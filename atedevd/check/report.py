@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from atedevd import config
-from atedevd.config import Config, ConfigError, Device
+from atedevd.config import Config, Device
+from atedevd.config_file import load as loader
+from atedevd.config_file.load import ConfigError
 from atedevd.daemon import textfile
 from atedevd.kubelet import sockets
 from atedevd.trust import group_name as _group
@@ -330,7 +332,7 @@ def config_error_json(e: ConfigError) -> str:
 def check_config(path: str, out: TextIO, required: bool = False, err: Optional[TextIO] = None) -> int:
     """`atedevd check-config`: validate without running; 0, or EX_CONFIG with every error on `err`."""
     try:
-        cfg = config.load(path, required=required)
+        cfg = loader.load(path, required=required)
     except ConfigError as e:
         (err or out).write(f"{e}\nconfig INVALID: {len(e.errors)} error{'s' if len(e.errors) != 1 else ''}\n")
         return config.EX_CONFIG

@@ -22,7 +22,8 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from atedevd.cdi import keeper as cdi_keeper
-from atedevd.config import Config, ConfigError, load
+from atedevd.config import Config
+from atedevd.config_file.load import ConfigError, load
 from atedevd.daemon import instance, sandbox, textfile
 from atedevd.daemon.host import Host
 from atedevd.daemon.watch import Watcher

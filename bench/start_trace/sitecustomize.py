@@ -43,7 +43,7 @@ STEPS = {
                               ("AllocatableCall._answer", "pod-resources answered")],
     "atedevd.systemd": [("setup_logging", "setup_logging"), ("Notifier.ready", "Notifier.ready"), ("event", "event")],
 }
-IMPORTS = {"grpc", "google.protobuf", "atedevd.cli", "atedevd.daemon.loop", "atedevd.config", "atedevd.api",
+IMPORTS = {"grpc", "google.protobuf", "atedevd.cli", "atedevd.daemon.loop", "atedevd.config", "atedevd.config_file.load", "atedevd.api",
            "atedevd.registration", "atedevd.glue.process", "atedevd.glue.plugin_dir", "atedevd.glue.resource", "atedevd.glue.performer", "atedevd.daemon.host", "atedevd.kubelet.plugin", "atedevd.kubelet.calls", "atedevd.daemon.watch", "atedevd.systemd",
            "systemd.journal", "inotify.constants", "sdnotify", "tomllib",
            "atedevd.devices.policy", "atedevd.kubelet.sockets", "atedevd.devices.judgement", "atedevd.devices.snapshot", "atedevd.devices.shared", "atedevd.glue.metrics", "atedevd.daemon.textfile", "atedevd.daemon.instance",

@@ -14,7 +14,7 @@ import google.protobuf
 import grpc
 import pytest
 
-from atedevd import config
+from atedevd.config_file import load as loader
 from atedevd.daemon import textfile
 from atedevd.glue import metrics
 from atedevd.registration.messages import State, Why
@@ -227,16 +227,16 @@ def test_the_directory_default_and_off(tmp_path, monkeypatch):
 def test_the_config_key_and_the_flag(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[daemon]\nmetrics_dir = ""\n')
-    assert config.load(str(f)).metrics_dir == ""
+    assert loader.load(str(f)).metrics_dir == ""
     f.write_text('[daemon]\nmetrics_dir = "/srv/metrics"\n')
-    assert config.load(str(f)).metrics_dir == "/srv/metrics"
-    assert config.load(str(f), overrides={"metrics_dir": ""}).metrics_dir == ""
+    assert loader.load(str(f)).metrics_dir == "/srv/metrics"
+    assert loader.load(str(f), overrides={"metrics_dir": ""}).metrics_dir == ""
     f.write_text('[daemon]\nmetrics_dir = "relative/dir"\n')
-    with pytest.raises(config.ConfigError) as e:
-        config.load(str(f))
+    with pytest.raises(loader.ConfigError) as e:
+        loader.load(str(f))
     assert 'c.toml:2: [daemon] metrics_dir: must be an absolute path, got "relative/dir"' in str(e.value)
-    with pytest.raises(config.ConfigError, match="--metrics-dir: must be a"):
-        config.load(str(f), overrides={"metrics_dir": "x"})
+    with pytest.raises(loader.ConfigError, match="--metrics-dir: must be a"):
+        loader.load(str(f), overrides={"metrics_dir": "x"})
 
 
 # --- for real: the daemon, node_exporter, a scrape over loopback ---------------------------------

@@ -8,7 +8,9 @@ import pytest
 
 from atedevd import config, trust
 from atedevd.check import report as check
-from atedevd.config import ConfigError, Device
+from atedevd.config import Device
+from atedevd.config_file import load as loader
+from atedevd.config_file.load import ConfigError
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod and chown need root")
 VFIO = Device("ate.dev/vfio", "/dev/vfio/[0-9]*", companions=("/dev/vfio/vfio",))
@@ -96,7 +98,7 @@ def test_an_untrusted_file_is_a_configuration_error_with_every_other_problem(tmp
     path.write_text('[[device]]\nresource = "a.dev/x"\npath = "/dev/x"\ncolour = 1\n')
     os.chmod(path, 0o666)
     with pytest.raises(ConfigError) as e:
-        config.load(str(path), required=True)
+        loader.load(str(path), required=True)
     errs = e.value.errors
     assert errs[0].startswith(f"{path}: not trusted: {path} is writable by its group and others (owner ")
     assert any('unknown key "colour"' in x for x in errs), errs

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from atedevd.config import ConfigError, load
+from atedevd.config_file.load import ConfigError, load
 from rig.nodes import mknod
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mknod and root-owned directories need root (CI runs as root)")

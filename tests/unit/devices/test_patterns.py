@@ -10,7 +10,9 @@ import pytest
 
 from atedevd import config
 from atedevd.check import report as check
-from atedevd.config import ConfigError, Device
+from atedevd.config import Device
+from atedevd.config_file import load as loader
+from atedevd.config_file.load import ConfigError
 from atedevd.devices import patterns, placement, policy
 from atedevd.glue.resource import node_table
 from rig.nodes import fake_vfio_sysfs, mknod, vfio_nodes
@@ -57,7 +59,7 @@ def load(tmp_path, text, dev_root=None, sys_root=None):
     if sys_root:
         daemon += f'sys_root = "{sys_root}"\n'
     path.write_text(daemon + text)
-    return config.load(str(path), required=True)
+    return loader.load(str(path), required=True)
 
 
 def errors(tmp_path, text, **kw):

@@ -11,6 +11,7 @@ import stat
 
 import pytest
 
+from atedevd.config_file import load as loader
 from atedevd.devices import judgement, policy, shared
 from atedevd.devices.policy import DeviceNode as Node
 from rig.harness import REPO
@@ -215,7 +216,6 @@ def test_this_hosts_sysfs_names_dev_null_as_the_rules_expect():
 def test_check_and_check_config_warn_about_every_opted_in_device(tmp_path):
     import io
 
-    from atedevd import config
     from atedevd.check import report as check
 
     dev = tmp_path / "dev"
@@ -235,7 +235,7 @@ def test_check_and_check_config_warn_about_every_opted_in_device(tmp_path):
     assert "note: a.dev/kvm: allow_host_access = true has no effect" in warned
     assert "WARNING: a.dev/later: allow_host_access = true and /dev/later is not there" in warned
     out = io.StringIO()
-    check.run(config.load(str(path), required=True), out, unit=lambda: None)
+    check.run(loader.load(str(path), required=True), out, unit=lambda: None)
     assert "WARNING: a.dev/msr: granted because allow_host_access = true" in out.getvalue()
 
 

@@ -1,4 +1,5 @@
-"""config.load: every validation rule with its exact message, and no input that ends in a traceback."""
+"""The configuration file read and checked (atedevd/config_file/load.py, its lines from lines.py): every
+validation rule with its exact message, and no input that ends in a traceback."""
 
 import os
 import string
@@ -8,7 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from atedevd import config
-from atedevd.config import Config, ConfigError, Device
+from atedevd.config import Config, Device
+from atedevd.config_file import load as loader
+from atedevd.config_file.load import ConfigError
 from rig.harness import REPO
 
 
@@ -16,9 +19,9 @@ from rig.harness import REPO
 def _no_settle():
     """These tests read files they wrote a moment before, thousands of them: the wait for a
     file changed in the last SETTLE_S is held by its own test (tests/process/test_judgement.py, case 6)."""
-    before, config.SETTLE_S = config.SETTLE_S, 0.0
+    before, loader.SETTLE_S = loader.SETTLE_S, 0.0
     yield
-    config.SETTLE_S = before
+    loader.SETTLE_S = before
 
 
 def write(tmp_path, text, name="config.toml"):
@@ -30,7 +33,7 @@ def write(tmp_path, text, name="config.toml"):
 def errors(tmp_path, text, **kw):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
-        config.load(path, **kw)
+        loader.load(path, **kw)
     prefix = path + ":"
     assert all(line.startswith(prefix) or line.startswith("command line:") for line in e.value.errors)
     return [line[len(path):] if line.startswith(prefix) else line for line in e.value.errors]
@@ -46,7 +49,7 @@ KVM = dict(resource='"ate.dev/kvm"', path='"/dev/kvm"')
 # --- defaults, files, overrides ---------------------------------------------
 
 def test_missing_default_file_means_builtin_defaults(tmp_path):
-    cfg = config.load(str(tmp_path / "absent.toml"))
+    cfg = loader.load(str(tmp_path / "absent.toml"))
     assert cfg == Config()
     assert cfg.devices == (Device("ate.dev/kvm", "/dev/kvm", 1024, "rw"),)
     assert cfg.source is None
@@ -55,14 +58,14 @@ def test_missing_default_file_means_builtin_defaults(tmp_path):
 def test_missing_explicit_file_is_an_error(tmp_path):
     path = str(tmp_path / "absent.toml")
     with pytest.raises(ConfigError) as e:
-        config.load(path, required=True)
+        loader.load(path, required=True)
     assert e.value.errors == [f"{path}: cannot read: file not found"]
     assert str(e.value) == f"{path}: cannot read: file not found"
 
 
 def test_empty_file_keeps_defaults_and_records_source(tmp_path):
     path = write(tmp_path, "")
-    assert config.load(path) == Config(source=path)
+    assert loader.load(path) == Config(source=path)
 
 
 def test_full_file(tmp_path):
@@ -82,7 +85,7 @@ path = "/dev/fuse"
 count = 10
 permissions = "rwm"
 """)
-    assert config.load(path) == Config(
+    assert loader.load(path) == Config(
         device_plugin_dir="/run/dp", dev_root="/host/dev", log_level="debug",
         devices=(Device("ate.dev/kvm", "/dev/kvm"), Device("example.com/fuse", "/dev/fuse", 10, "rwm")),
         source=path)
@@ -90,23 +93,23 @@ permissions = "rwm"
 
 def test_daemon_only_file_keeps_default_devices(tmp_path):
     path = write(tmp_path, '[daemon]\nlog_level = "error"\n')
-    cfg = config.load(path)
+    cfg = loader.load(path)
     assert cfg.devices == config.DEFAULT_DEVICES and cfg.log_level == "error"
 
 
 def test_device_tables_replace_the_default(tmp_path):
     path = write(tmp_path, device(resource='"ate.dev/fuse"', path='"/dev/fuse"'))
-    assert config.load(path).devices == (Device("ate.dev/fuse", "/dev/fuse"),)
+    assert loader.load(path).devices == (Device("ate.dev/fuse", "/dev/fuse"),)
 
 
 def test_overrides_beat_the_file_and_none_is_ignored(tmp_path):
     path = write(tmp_path, '[daemon]\nlog_level = "error"\ndev_root = "/a"\n')
-    cfg = config.load(path, overrides={"log_level": "debug", "dev_root": None, "device_plugin_dir": "/dp"})
+    cfg = loader.load(path, overrides={"log_level": "debug", "dev_root": None, "device_plugin_dir": "/dp"})
     assert (cfg.log_level, cfg.dev_root, cfg.device_plugin_dir) == ("debug", "/a", "/dp")
 
 
 def test_overrides_apply_without_a_file(tmp_path):
-    cfg = config.load(str(tmp_path / "absent"), overrides={"dev_root": "/x"})
+    cfg = loader.load(str(tmp_path / "absent"), overrides={"dev_root": "/x"})
     assert cfg.dev_root == "/x" and cfg.source is None
 
 
@@ -123,7 +126,7 @@ def test_overrides_are_validated_alongside_file_errors(tmp_path):
 
 def test_shipped_example_equals_builtin_default():
     here = os.path.join(REPO, "etc", "config.toml")
-    cfg = config.load(here, required=True)
+    cfg = loader.load(here, required=True)
     assert cfg == Config(source=here)
 
 
@@ -133,7 +136,7 @@ def test_shipped_example_commented_devices_are_valid(tmp_path):
     for key in ("[[device]]", "resource", "path", "count", "permissions", "companions", "device_plugin_dir", "dev_root",
                 "sys_root", "log_level"):
         text = text.replace("\n#" + key, "\n" + key)
-    cfg = config.load(write(tmp_path, text))
+    cfg = loader.load(write(tmp_path, text))
     assert [d.path for d in cfg.devices] == ["/dev/kvm", "/dev/vhost-net", "/dev/vhost-vsock", "/dev/fuse",
                                              "/dev/vfio/[0-9]*", "/dev/serial/by-id/usb-*"]
     assert cfg.devices[4].companions == ("/dev/vfio/vfio",) and cfg.sys_root == "/sys"
@@ -158,23 +161,23 @@ def test_toml_syntax_error_has_line_and_column(tmp_path):
 def test_toml_error_position_from_the_exception_attributes(tmp_path, monkeypatch):
     """Python 3.14+ and tomli 2.1+ say where in numbers: those are used, not the message's words."""
     def loads(text):
-        e = config.tomllib.TOMLDecodeError("Wording that may change (at line 1, column 1)")
+        e = loader.tomllib.TOMLDecodeError("Wording that may change (at line 1, column 1)")
         e.msg, e.lineno, e.colno = "Wording that may change", 2, 7
         raise e
-    monkeypatch.setattr(config.tomllib, "loads", loads)
+    monkeypatch.setattr(loader.tomllib, "loads", loads)
     assert errors(tmp_path, "a = 1\nb = \n") == [":2: invalid TOML: Wording that may change (column 7)"]
 
 
 def test_toml_error_line_without_attributes_is_where_the_bad_statement_begins(tmp_path, monkeypatch):
     """Older parsers give only a message: the line comes from parsing, the message is kept whole."""
-    real = config.tomllib.loads
+    real = loader.tomllib.loads
 
     def loads(text):
         try:
             return real(text)
-        except config.tomllib.TOMLDecodeError:
-            raise config.tomllib.TOMLDecodeError("no position in these words") from None
-    monkeypatch.setattr(config.tomllib, "loads", loads)
+        except loader.tomllib.TOMLDecodeError:
+            raise loader.tomllib.TOMLDecodeError("no position in these words") from None
+    monkeypatch.setattr(loader.tomllib, "loads", loads)
     text = '[daemon]\nlog_level = """\nx\n"""\n\ndev_root = [\n  "/a",\n  nope,\n]\n'
     assert errors(tmp_path, text) == [":6: invalid TOML: no position in these words"]
 
@@ -195,7 +198,7 @@ def test_not_utf8(tmp_path):
 
 def test_directory(tmp_path):
     with pytest.raises(ConfigError) as e:
-        config.load(str(tmp_path), required=True)
+        loader.load(str(tmp_path), required=True)
     assert e.value.errors == [f"{tmp_path}: cannot read: not a regular file (directory)"]
 
 
@@ -203,7 +206,7 @@ def test_fifo_does_not_hang(tmp_path):
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo)
     with pytest.raises(ConfigError) as e:
-        config.load(fifo)
+        loader.load(fifo)
     assert e.value.errors == [f"{fifo}: cannot read: not a regular file (FIFO)"]
 
 
@@ -217,7 +220,7 @@ def test_unreadable_file(tmp_path):
     else:
         expected = f"{path}: cannot read: Permission denied"
     with pytest.raises(ConfigError) as e:
-        config.load(path)
+        loader.load(path)
     assert e.value.errors == [expected]
 
 
@@ -310,7 +313,7 @@ def test_bad_resource_names(tmp_path, resource, expected):
 ])
 def test_good_resource_names(tmp_path, resource):
     path = write(tmp_path, device(resource=f'"{resource}"', path='"/dev/kvm"'))
-    assert config.load(path).devices[0].resource == resource
+    assert loader.load(path).devices[0].resource == resource
 
 
 @pytest.mark.parametrize("path, expected", [
@@ -350,13 +353,13 @@ def test_bad_counts(tmp_path, count, expected):
 
 @pytest.mark.parametrize("count", [1, 65536])
 def test_count_bounds_are_inclusive(tmp_path, count):
-    assert config.load(write(tmp_path, device(**KVM, count=count))).devices[0].count == count
+    assert loader.load(write(tmp_path, device(**KVM, count=count))).devices[0].count == count
 
 
 def test_unit_ids_must_fit_63_characters(tmp_path):
     name = "x" * 59  # "x...x-9" is 61, "x...x-99" is 62, "x...x-999" is 63, "x...x-1000" is 64
     ok = write(tmp_path, device(resource='"ate.dev/x"', path=f'"/dev/{name}"', count=1000))
-    assert config.load(ok).devices[0].unit_id(999) == name + "-999"
+    assert loader.load(ok).devices[0].unit_id(999) == name + "-999"
     assert errors(tmp_path, device(resource='"ate.dev/x"', path=f'"/dev/{name}"', count=1001)) == [
         f':4: [[device]] #1: unit ID "{name}-1000" is longer than 63 characters; '
         "use a shorter path basename or a smaller count"]
@@ -375,7 +378,7 @@ def test_permissions_wrong_type(tmp_path):
 
 @pytest.mark.parametrize("perm", ["r", "w", "m", "rw", "wr", "rwm", "mwr"])
 def test_good_permissions(tmp_path, perm):
-    assert config.load(write(tmp_path, device(**KVM, permissions=f'"{perm}"'))).devices[0].permissions == perm
+    assert loader.load(write(tmp_path, device(**KVM, permissions=f'"{perm}"'))).devices[0].permissions == perm
 
 
 def test_missing_required_keys(tmp_path):
@@ -479,7 +482,7 @@ permisions = "rw"
 def _load_anything(tmp_path, data: bytes):
     path = write(tmp_path, data, "fuzz.toml")
     try:
-        cfg = config.load(path)
+        cfg = loader.load(path)
     except ConfigError as e:
         assert e.errors and all(line.startswith(path) for line in e.errors)
         return None
@@ -535,7 +538,7 @@ def test_line_numbers_count_only_newlines(tmp_path):
 
 def test_devices_before_daemon_table_are_kept(tmp_path):
     path = write(tmp_path, 'device = [{resource = "a.b/c", path = "/dev/c"}]\n[daemon]\nlog_level = "debug"\n')
-    cfg = config.load(path)
+    cfg = loader.load(path)
     assert cfg.devices == (Device("a.b/c", "/dev/c"),) and cfg.log_level == "debug"
 
 
@@ -558,7 +561,7 @@ def test_valid_documents_round_trip(tmp_path, devices, level):
     text = f'[daemon]\nlog_level = "{level}"\ndev_root = "{tmp_path}/nodev"\n' + "".join(
         f'[[device]]\nresource = "{d.resource}"\npath = "{d.path}"\ncount = {d.count}\npermissions = "{d.permissions}"\n'
         for d in devices)
-    cfg = config.load(write(tmp_path, text))
+    cfg = loader.load(write(tmp_path, text))
     assert cfg.devices == tuple(devices) and cfg.log_level == level
 
 
@@ -578,7 +581,7 @@ def test_at_most_32_devices(tmp_path):
     assert errors(tmp_path, "".join(table(i) for i in range(33))) == [": device: 33 [[device]] tables; atedevd serves at most 32"]
     path = tmp_path / "ok.toml"
     path.write_text("".join(table(i) for i in range(32)))
-    assert len(config.load(str(path), required=True).devices) == 32
+    assert len(loader.load(str(path), required=True).devices) == 32
 
 
 # --- socket names ----------------------------------------------------------------------
@@ -588,7 +591,7 @@ def test_resources_that_shared_a_socket_name_get_their_own(tmp_path):
     Allocate could be answered by the other's server."""
     from atedevd.kubelet import sockets
 
-    cfg = config.load(write(tmp_path, device(resource='"a.dev/b-c"', path='"/dev/x"')
+    cfg = loader.load(write(tmp_path, device(resource='"a.dev/b-c"', path='"/dev/x"')
                             + device(resource='"a.dev-b/c"', path='"/dev/y"')))
     names = [sockets.socket_name(d.resource, "abcdef", 1) for d in cfg.devices]
     assert names == ["a.dev_b-c.abcdef-1.sock", "a.dev-b_c.abcdef-1.sock"]
@@ -666,9 +669,9 @@ def test_a_node_that_gives_the_host_is_refused_naming_node_numbers_and_why(tmp_p
 @needs_root
 def test_the_opt_in_lets_a_refused_node_through(tmp_path):
     head = nodes(tmp_path, mem=("c", 1, 1))
-    cfg = config.load(write(tmp_path, head + device(resource='"ate.dev/mem"', path='"/dev/mem"', allow_host_access="true")))
+    cfg = loader.load(write(tmp_path, head + device(resource='"ate.dev/mem"', path='"/dev/mem"', allow_host_access="true")))
     assert cfg.devices[0].allow_host_access is True
-    assert config.load(write(tmp_path, head + device(resource='"ate.dev/mem"', path='"/dev/mem"'), name="b.toml"),
+    assert loader.load(write(tmp_path, head + device(resource='"ate.dev/mem"', path='"/dev/mem"'), name="b.toml"),
                        overrides={"dev_root": str(tmp_path / "elsewhere")}).devices  # absent there: judged later
 
 
@@ -676,7 +679,7 @@ def test_the_opt_in_lets_a_refused_node_through(tmp_path):
 def test_the_built_in_device_is_judged_too(tmp_path):
     nodes(tmp_path, kvm=("c", 1, 4))
     with pytest.raises(ConfigError) as e:
-        config.load(str(tmp_path / "absent.toml"), overrides={"dev_root": str(tmp_path / "dev")})
+        loader.load(str(tmp_path / "absent.toml"), overrides={"dev_root": str(tmp_path / "dev")})
     (err,) = e.value.errors
     assert err.startswith(f'{tmp_path}/absent.toml: the built-in device: "/dev/kvm" (ate.dev/kvm): refused: ')
     assert "(char 1:4, not in sysfs) is I/O ports (/dev/port)" in err
@@ -688,5 +691,5 @@ def test_allow_host_access_must_be_a_boolean(tmp_path):
 
 
 def test_an_absent_node_is_not_judged_at_config_time(tmp_path):
-    cfg = config.load(write(tmp_path, f'[daemon]\ndev_root = "{tmp_path}/dev"\n' + device(**KVM)))
+    cfg = loader.load(write(tmp_path, f'[daemon]\ndev_root = "{tmp_path}/dev"\n' + device(**KVM)))
     assert cfg.devices == (Device("ate.dev/kvm", "/dev/kvm"),)
