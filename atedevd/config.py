@@ -24,11 +24,11 @@ DAEMON_KEYS = ("device_plugin_dir", "dev_root", "sys_root", "log_level", "metric
                "cdi", "cdi_spec_dir", "device_specs")
 # [daemon] keys that are true or false (the others are strings, and the command line may give them)
 DAEMON_BOOLS = ("cdi", "device_specs")
-# How kubelet keys a resource's endpoints: by resource name (kubelet <= 1.36: a successor may
-# register only once kubelet let go of its predecessor) or by socket (kubernetes PR #135437,
-# kubelet 1.37: the two may overlap). Nothing on the wire tells them apart without risking the
-# registration on the older kubelet, so the operator says which the node runs.
-KUBELET_ENDPOINTS = ("per-resource", "per-socket")
+# How kubelet keys a resource's endpoints, which decides how an upgrade registers its successor:
+# by resource name (kubelet <= 1.36: only once kubelet let go of its predecessor) or by socket
+# (kubernetes PR #135437, kubelet 1.37: beside it). "auto": as the kubelet behind kubelet.sock
+# says of itself (atedevd/kubelet/identity.py), per-resource where it says nothing.
+KUBELET_ENDPOINTS = ("auto", "per-resource", "per-socket")
 DEVICE_KEYS = ("resource", "path", "count", "permissions", "allow_host_access", "companions",
                "container_mode", "container_uid", "container_gid", "host_mode")
 MAX_ID = 4294967294  # a uid or gid (4294967295 is "none" to the kernel)
@@ -129,7 +129,7 @@ class Config(Record):
     sys_root: str = "/sys"  # where the kernel's account of a node is read (the policy, NUMA nodes)
     log_level: str = "info"
     metrics_dir: Optional[str] = None  # node_exporter's textfile directory; None: the default, "": off
-    kubelet_endpoints: str = "per-resource"  # KUBELET_ENDPOINTS: the safe default
+    kubelet_endpoints: str = "auto"  # KUBELET_ENDPOINTS
     # Grant through CDI (atedevd/cdi/names.py): a spec per resource in cdi_spec_dir, its names in every
     # Allocate answer; device_specs: the answer carries the DeviceSpec too (runtimes without CDI).
     cdi: bool = False

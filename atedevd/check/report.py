@@ -132,6 +132,8 @@ def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]], runtimes:
     sock = os.path.join(plugin_dir, "kubelet.sock")
     sock_ok, sock_text = socket_state(sock)
     report.add("kubelet-socket", sock, OK if sock_ok else PROBLEM, sock_text)
+    if sock_ok:
+        _kubelet_version(cfg, sock, report)
     _kubelet_view(cfg, report)
     return report
 
@@ -574,6 +576,21 @@ def drop_in(plugin_dir: str) -> str:
             "# The unit's other exceptions, kept: node_exporter's textfile directory (atedevd.prom), CDI specs.\n"
             f"ReadWritePaths=-{textfile.DEFAULT_DIR}\n"
             "ReadWritePaths=-/run/cdi\n")
+
+
+def _kubelet_version(cfg: Config, sock: str, report: NodeReport) -> None:
+    """Which kubelet serves the socket, and so how an upgrade of atedevd would register its successor."""
+    from atedevd.kubelet.identity import kubelet_behind, upgrade_beside
+
+    found = kubelet_behind(sock)
+    beside, why = upgrade_beside(cfg.kubelet_endpoints, found)
+    way = "registers beside the running atedevd" if beside else "registers once kubelet has let go of the running atedevd"
+    if found.version is None and cfg.kubelet_endpoints == "auto":
+        report.add("kubelet-version", sock, WARNING, f"an upgrade {way} ({why})",
+                   fix=f'where every kubelet is 1.37 or newer, set kubelet_endpoints = "per-socket" in '
+                       f'{cfg.source or config.DEFAULT_CONFIG_PATH}: no moment without the resource')
+    else:
+        report.add("kubelet-version", sock, OK, f"an upgrade {way} ({why})")
 
 
 def _kubelet_view(cfg: Config, report: NodeReport) -> None:

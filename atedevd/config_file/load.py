@@ -218,8 +218,8 @@ def _check_daemon_value(key: str, value) -> Optional[str]:
     if key == "kubelet_endpoints":
         if value in KUBELET_ENDPOINTS:
             return None
-        return (f'must be "per-resource" (kubelet 1.36 and older) or "per-socket" (kubelet with kubernetes '
-                f'PR #135437, 1.37), got {_q(value)}')
+        return (f'must be "auto" (as the kubelet behind kubelet.sock says it is), "per-resource" (kubelet 1.36 '
+                f'and older) or "per-socket" (kubelet with kubernetes PR #135437, 1.37), got {_q(value)}')
     if key == "metrics_dir" and value == "":
         return None  # metrics off
     if "\0" in value:

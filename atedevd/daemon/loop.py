@@ -33,6 +33,7 @@ from atedevd.glue.process import (Process, ProcessAction, ReadConfig, Ready, Rel
                                   StartWork, Status, WriteMetrics)
 from atedevd.kubelet import sockets
 from atedevd.kubelet.calls import warm_up
+from atedevd.kubelet.identity import kubelet_behind
 from atedevd.kubelet.plugin import Workers
 from atedevd.registration.messages import Say
 from atedevd.systemd import Notifier, event, set_level
@@ -223,8 +224,8 @@ class Daemon:
             self.peers.start_successor(self.lock_fd, list(a.served))
         except OSError as e:
             self._perform(self.process.successor_failed(time.monotonic(), str(e)))
-        else:
-            self._perform(self.process.successor_started(time.monotonic()))
+        else:  # (how it goes beside us, if it may, is the kubelet's to say)
+            self._perform(self.process.successor_started(time.monotonic(), kubelet_behind(self.host.kubelet_socket)))
 
     # --- the process's actions (atedevd/glue/process.py) ------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Type, Union
 
 from atedevd.config import Config
 from atedevd.glue.plugin_dir import PluginDir, Standing
+from atedevd.kubelet.identity import KubeletFound, upgrade_beside
 from atedevd.record import Record
 from atedevd.registration.messages import RegisterAgain, Release, Say, TakeBack, Yield
 from atedevd.registration.report import Report, describe
@@ -139,14 +140,14 @@ class Process:
         self._out.append(Ready())
         return self._take()
 
-    def successor_started(self, now: float) -> List[ProcessAction]:
+    def successor_started(self, now: float, kubelet: KubeletFound) -> List[ProcessAction]:
         """A successor was started: hand over to it once it is ready, beside us where kubelet
-        tracks endpoints per socket."""
-        overlap = self.cfg is not None and self.cfg.kubelet_endpoints == "per-socket"
+        tracks endpoints per socket (`kubelet_endpoints`; "auto": as `kubelet` says of itself)."""
+        overlap, why = upgrade_beside(self.cfg.kubelet_endpoints if self.cfg is not None else "auto", kubelet)
         self.predecessor = Predecessor(overlap, now)
         self._out.append(Say(INFO, "upgrade", "upgrade: the installed atedevd is not the one running; started it to hand "
-                                              "over to, " + ("beside us (kubelet tracks endpoints per socket)" if overlap
-                                                             else "once kubelet has let go of us")))
+                                              "over to, " + ("beside us (kubelet tracks endpoints per socket" if overlap
+                                                             else "once kubelet has let go of us (") + f"; {why})"))
         return self._take()
 
     def successor_failed(self, now: float, error: str) -> List[ProcessAction]:

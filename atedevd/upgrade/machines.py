@@ -94,7 +94,7 @@ class Predecessor:
         self.phase = UpgradePhase.STARTING
         self.deadline: Optional[float] = now + READY_LIMIT_S
         self.actions: List[UpgradeAction] = []
-        self._handed_off = False  # our streams are ended (kubelet is letting go, or has)
+        self._yielded = False  # our streams are ended (kubelet is letting go, or has)
         self._stopping = False  # the successor was asked to stop: we take back once it is gone
         self._again_at: Optional[float] = None  # register once more then (it died registering)
 
@@ -115,7 +115,7 @@ class Predecessor:
                 self._go(now)
             else:
                 self.phase, self.deadline = UpgradePhase.YIELDING, now + LET_GO_LIMIT_S
-                self._handed_off = True
+                self._yielded = True
                 self.actions.append(Yield())
         elif self.phase is UpgradePhase.REGISTERING and message is Message.REGISTERED:
             self.phase, self.deadline = UpgradePhase.DONE, None
@@ -161,7 +161,7 @@ class Predecessor:
 
     def _fail(self, now: float, why: str, alive: bool = True) -> None:
         self.actions.append(Say(logging.ERROR, "upgrade", f"upgrade: the new atedevd failed: {why}; the running one serves on"
-                                + (" and registers again" if self._handed_off else "")))
+                                + (" and registers again" if self._yielded else "")))
         if self.phase is UpgradePhase.REGISTERING and alive:
             # Told to register, and alive: a Register of its may be inside kubelet, which a kill
             # would leave there, unseen (kubelet <= 1.36 would tear ours down with it). Asked to

@@ -31,6 +31,7 @@ from atedevd.glue import metrics
 from atedevd.glue.plugin_dir import PluginDir
 from atedevd.glue.process import (Process, ReadConfig, Ready, Reloading, ServingBegan, StartSuccessor, StartWork,
                                   Status, WriteMetrics)
+from atedevd.kubelet.identity import KubeletFound
 from atedevd.registration.messages import Say, State
 from atedevd.upgrade.machines import BecomeMain, Exit, MainPid, Message, Send, StopSuccessor, UpgradePhase
 from tests.simulation.host import KUBELET_SOCK, PLUGIN_DIR, SimHost, SimServer
@@ -426,11 +427,9 @@ class AtedevdProcess:
     # --- the process: what Daemon.run, its signals and its loop do ---------------------------------
 
     def config(self, count: int) -> Config:
-        """What its configuration file says: an upgrade goes beside its predecessor where kubelet
-        tracks endpoints per socket (the current kubelet)."""
-        endpoints = "per-socket" if self.w.kubelet.mode == "current" else "per-resource"
+        """What its configuration file says (`kubelet_endpoints` is "auto": the kubelet says)."""
         return Config(cdi=self.w.cdi, cdi_spec_dir=self.w.cdi_dir, dev_root=self.w.dev_root, sys_root="/sys",
-                      devices=tuple(self.devices(count)), kubelet_endpoints=endpoints)
+                      devices=tuple(self.devices(count)))
 
     def start(self) -> None:
         self._perform(self.process.start(self.w.now, self.config(self.count)))
@@ -594,7 +593,8 @@ class AtedevdProcess:
     def _start_successor(self, a: StartSuccessor) -> None:
         """The daemon starts it at once; here its start takes a while (and the predecessor may
         be stopped or killed meanwhile)."""
-        self._perform(self.process.successor_started(self.w.now))
+        version = "v1.37.0" if self.w.kubelet.mode == "current" else "v1.32.0"  # (the generations the model keeps)
+        self._perform(self.process.successor_started(self.w.now, KubeletFound(version, "the model's")))
         self.w.after(self.w.delay(), self._spawn)
 
     def _serving_began(self, a: ServingBegan) -> None:

@@ -52,8 +52,12 @@ def test_ready_node_as_json(node):
     for f in doc["findings"]:
         assert set(f) == FINDING_KEYS and f["status"] in ("ok", "problem", "warning"), f
     assert {f["check"] for f in doc["findings"]} == {"device", "char-link", "non-root", "pod-kind", "plugin-dir",
-                                                    "sandbox", "metrics", "kubelet-socket"}
-    assert all(f["status"] == "ok" for f in doc["findings"] if f["check"] != "pod-kind"), doc["findings"]
+                                                    "sandbox", "metrics", "kubelet-socket", "kubelet-version"}
+    assert all(f["status"] == "ok" for f in doc["findings"] if f["check"] not in ("pod-kind", "kubelet-version")), doc["findings"]
+    # the fake kubelet is this test's own process: a program that names no Kubernetes version
+    (version,) = [f for f in doc["findings"] if f["check"] == "kubelet-version"]
+    assert version["status"] == "warning" and f"the program of PID {os.getpid()} names no Kubernetes version" in version["message"]
+    assert "registers once kubelet has let go" in version["message"] and 'kubelet_endpoints = "per-socket"' in version["fix"]
     assert [f["status"] for f in doc["findings"] if f["check"] == "pod-kind"] == ["ok"] * 3 + ["warning"] * 2
     assert doc["kubelet_view"]["counts"] is None and "no pod-resources API" in doc["kubelet_view"]["note"]
     assert doc["drop_in"] is None

@@ -8,6 +8,7 @@ import pytest
 
 from atedevd.glue.plugin_dir import Standing
 from atedevd.glue.process import Process, Ready
+from atedevd.kubelet.identity import KubeletFound
 from atedevd.registration.messages import RegisterAgain, Release, Say, Stop, TakeBack, Yield
 from atedevd.upgrade import machines
 from atedevd.upgrade.machines import (BecomeMain, Exit, MainPid, Message, Predecessor, Send, StopSuccessor, Successor,
@@ -172,7 +173,7 @@ class FakePluginDir:
 def test_the_glue_shows_the_machines_the_node_and_carries_each_action_to_the_node_or_the_process():
     node = FakePluginDir()
     proc = Process(node)  # type: ignore[arg-type]
-    proc.successor_started(0.0)
+    proc.successor_started(0.0, KubeletFound(None, "unknown"))
     proc.heard(0.0, Message.READY)
     proc.upgrade_steps(0.0)
     assert node.told == [Yield()] and proc.predecessor.phase is Phase.YIELDING
@@ -189,7 +190,7 @@ def test_the_glue_shows_the_machines_the_node_and_carries_each_action_to_the_nod
 def test_a_take_back_is_the_node_s_and_ready_again_the_process_s():
     node = FakePluginDir()
     proc = Process(node)  # type: ignore[arg-type]
-    proc.successor_started(0.0)
+    proc.successor_started(0.0, KubeletFound(None, "unknown"))
     proc.heard(0.5, None, "exited with status 3")
     proc.upgrade_steps(0.5)
     assert node.told == [TakeBack()] and [type(a) for a in proc._out if not isinstance(a, Say)] == [StopSuccessor, Ready]
@@ -210,3 +211,23 @@ def test_a_successor_is_released_and_becomes_main_through_the_glue():
     proc.heard(0.3, Message.MAIN)
     proc.upgrade_steps(0.3)
     assert proc._out[1:] == [Send(Message.REGISTERED), BecomeMain()] and proc.upgrading is None
+
+
+@pytest.mark.parametrize("setting,kubelet,beside", [
+    ("auto", KubeletFound("v1.37.2", "the program of PID 1"), True),  # kubernetes PR #135437: per socket
+    ("auto", KubeletFound("v1.38.0-rc.1", "the program of PID 1"), True),
+    ("auto", KubeletFound("v1.36.3", "the program of PID 1"), False),  # by name: beside us it would be torn down
+    ("auto", KubeletFound("v1.30.2+k3s1", "/usr/local/bin/k3s (PID 1's program, unchanged since it started)"), False),
+    ("auto", KubeletFound(None, "the process behind kubelet.sock is in another PID namespace"), False),  # not known: the safe way
+    ("per-socket", KubeletFound(None, "unknown"), True),  # the operator's word over the kubelet's silence
+    ("per-resource", KubeletFound("v1.37.2", "the program of PID 1"), False),  # ... and over its version
+])
+def test_the_upgrade_goes_beside_us_only_where_kubelet_keys_endpoints_by_socket(setting, kubelet, beside):
+    from atedevd.config import Config
+
+    proc = Process(FakePluginDir())  # type: ignore[arg-type]
+    proc.cfg = Config(kubelet_endpoints=setting)
+    (said,) = proc.successor_started(0.0, kubelet)
+    assert proc.predecessor is not None and proc.predecessor.overlap is beside
+    why = (kubelet.version or kubelet.how) if setting == "auto" else setting  # the journal says what decided
+    assert ("beside us" in said.text) is beside and why in said.text
