@@ -20,7 +20,7 @@ import kubelet_standin  # noqa: E402
 RESOURCE = "ate.dev/kvm"
 
 
-class AdmissionKubelet(container_timed_standin.TimedKubelet):
+class AdmissionKubelet(container_timed_standin.ContainerTimedKubelet):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.admission = None
