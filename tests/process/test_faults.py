@@ -173,8 +173,8 @@ def test_ten_listandwatch_streams_opened_at_once_and_dropped(hostile, start_daem
     d = start_daemon()
     d.wait_ready()
     rounds = STREAMS_PER_RESOURCE + 2
-    for n in range(1, rounds + 1):  # each round, waited for as it comes: 0.4 s at most here, idle or loaded
-        assert k.wait(lambda: len(k.rounds) >= n, timeout=10), (k.rounds, d.log())
+    for i in range(1, rounds + 1):  # each round, waited for as it comes: 0.4 s at most here, idle or loaded
+        assert k.wait(lambda: len(k.rounds) >= i, timeout=10), (k.rounds, d.log())
     served = 0
     for seen in k.rounds[:rounds]:
         lists = [n for what, n in seen if what == "devices"]
@@ -308,9 +308,9 @@ def process_state(pid: int) -> str:
 
 
 def test_sigstop_while_kubelet_restarts_then_sigcont(start_daemon, kubelet, plugin_dir):
-    """kubelet restarts while the daemon is stopped: one registration for it after SIGCONT (that a
-    restart's events, however late and batched, make one Register is checked exactly in simulated
-    time: tests/simulation/scenarios.py); and a stop with nothing happening re-registers nothing."""
+    """kubelet restarts while the daemon is stopped: one registration for it after SIGCONT, by
+    kubelet's count and the daemon's own STATUS= two loop turns on; and a stop with nothing
+    happening re-registers nothing. (The watchdog's pings, stamped by the kernel, show the turns.)"""
     daemon = start_daemon(env={"WATCHDOG_USEC": "200000"})  # (its pings show its loop's turns)
     daemon.wait_ready()
     assert kubelet.wait_connected(RESOURCE), daemon.log()
