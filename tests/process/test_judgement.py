@@ -151,6 +151,7 @@ def test_a_units_cdi_spec_never_names_a_node_its_judgement_did_not_see(start_dae
         for i in range(1, 120, 7):  # the others made anew too: each look judges many
             remake(str(dev / f"ttyX{i:03}"), 188, i)
     remake(str(dev / "ttyX000"), *MSR)  # it ends refused, as the churn left it
+    assert kubelet.devices("ate.dev/x").get("ttyX119") == "Healthy", kubelet.devices("ate.dev/x")
     os.unlink(dev / "ttyX119")  # then a node the churn never touched goes: kubelet sees it go once the
     # daemon has taken in everything before it (one inotify queue, read in order), the last remake too
     assert kubelet.wait(lambda: kubelet.devices("ate.dev/x").get("ttyX119") != "Healthy", KEEP_S), d.log()
@@ -189,6 +190,7 @@ def test_a_link_moved_onto_another_units_node_never_puts_that_node_under_its_nam
         for i in range(moves % 3, 60, 3):
             remake(str(dev / f"ttyZ{i}"), 189, i)  # the other adapters' nodes made anew: each look judges many
     relink(str(by_id / "usb-a"), "../../ttyA")
+    assert kubelet.devices("ate.dev/serial").get("serial-by-id-usb-z0") == "Healthy", kubelet.devices("ate.dev/serial")
     os.unlink(by_id / "usb-z0")  # then a link the churn never touched goes: kubelet sees it go once the
     # daemon has taken in everything before it (one inotify queue, read in order), the last move too
     assert kubelet.wait(lambda: kubelet.devices("ate.dev/serial").get("serial-by-id-usb-z0") != "Healthy", KEEP_S), \
