@@ -6,7 +6,10 @@ its first two seconds, with every step on both sides delayed 0–`max_delay`
 for the healthy end state: kubelet running, one live stream on the daemon's
 newest socket, that endpoint current and not stopped, allocatable equal to what
 is configured, no Register in flight or teardown pending, no duplicate Register
-in one kubelet process, and the daemon itself registered. Rounds run in chains of
+in one kubelet process, and the daemon itself registered; some scenarios add checks of their
+own (`World.checks`), exact where a process-level test could only wait out a window: no
+Register after a reload that changes nothing Register carries, none for a unit's node going and
+coming back, an upgrade that took place. Rounds run in chains of
 `CHAIN` in one world (`run_rounds`): the first begins cold, the others at the healthy end of
 the round before, so that most of a round's work is its disturbance, not a first start.
 """
