@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -79,14 +80,36 @@ def fake_dev_root(path: str, names=("kvm",)) -> str:
     return path
 
 
+# The kernel's receive stamp of a datagram (SO_TIMESTAMPNS, SCM_TIMESTAMPNS: a struct timespec of
+# the wall clock), which Python's socket module does not name.
+SO_TIMESTAMPNS = 35
+_TIMESPEC = struct.Struct("@ll")
+
+
+def kernel_stamp(ancillary) -> float:
+    """The SCM_TIMESTAMPNS of a recvmsg's ancillary data, moved to the monotonic clock (the
+    offset between the two clocks taken now: the same as at the stamp unless the wall clock
+    was stepped meanwhile)."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+            sec, nsec = _TIMESPEC.unpack(data[:_TIMESPEC.size])
+            return (sec * 1_000_000_000 + nsec - (time.time_ns() - time.monotonic_ns())) / 1e9
+    raise AssertionError(f"a datagram without its kernel timestamp: {ancillary}")
+
+
 class NotifySocket:
-    """The systemd end of sd_notify: a datagram socket collecting messages."""
+    """The systemd end of sd_notify: a datagram socket collecting messages.
+
+    Each message's "at" is when the kernel queued the datagram (SO_TIMESTAMPNS), on the
+    monotonic clock, not when this thread read it: a reader starved by a loaded machine
+    reads several at once, and stamping them then would bunch what the daemon spaced."""
 
     def __init__(self, path: str):
         self.path = path
         self.messages: List[dict] = []  # {"at": monotonic, "fields": {...}}
         self._cond = threading.Condition()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         self._sock.bind(path)
         self._sock.settimeout(0.2)
         self._stop = False
@@ -96,14 +119,15 @@ class NotifySocket:
     def _run(self) -> None:
         while not self._stop:
             try:
-                data = self._sock.recv(65536)
+                data, ancillary, _, _ = self._sock.recvmsg(65536, socket.CMSG_SPACE(_TIMESPEC.size))
             except socket.timeout:
                 continue
             except OSError:
                 return
+            at = kernel_stamp(ancillary)
             fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
             with self._cond:
-                self.messages.append({"at": time.monotonic(), "fields": fields})
+                self.messages.append({"at": at, "fields": fields})
                 self._cond.notify_all()
 
     def wait_for(self, key: str, value: Optional[str] = None, timeout: float = 10.0, after: int = 0) -> Optional[dict]:
@@ -118,6 +142,19 @@ class NotifySocket:
         with self._cond:
             self._cond.wait_for(lambda: find() is not None, timeout)
             return find()
+
+    def wait_turns(self, turns: int, since: float, timeout: float = 10.0) -> bool:
+        """Until the daemon's loop has done `turns` whole turns begun after `since` (monotonic):
+        `turns + 1` watchdog pings sent after it, by the kernel's stamps. A ping is the top of a
+        turn, and what a turn decides (its STATUS=, its log lines) is out before the next ping:
+        a barrier that comes after whatever the daemon made of its inputs up to `since`. Needs a
+        daemon started with WATCHDOG_USEC."""
+
+        def pinged() -> bool:
+            return sum(1 for m in self.messages if m["at"] > since and m["fields"].get("WATCHDOG") == "1") > turns
+
+        with self._cond:
+            return self._cond.wait_for(pinged, timeout)
 
     def values(self, key: str) -> List[str]:
         with self._cond:

@@ -337,12 +337,27 @@ def test_what_grpc_threads_report_reaches_the_loop_through_the_inbox():
     assert seen == [StreamEvent.OPENED]
 
 
-def test_the_loop_and_the_simulation_run_the_same_glue():
+def test_the_loop_and_the_simulation_run_the_same_glue(tmp_path):
+    """The daemon's loop and the simulated process each build the glue's own `Process` (not a copy
+    nor a subclass) over the glue's own `PluginDir`, and drive it by `wake`: what the simulation
+    finds is about the daemon. (Comparing the name each module imports with itself could not fail.)"""
+    from atedevd import config
     from atedevd.daemon import loop as daemon
     from atedevd.glue import process
+    from atedevd.glue.plugin_dir import PluginDir
     from tests.simulation import world
 
-    assert daemon.Process is process.Process and world.Process is process.Process
+    cfg = config.load(str(tmp_path / "none.toml"))._replace(device_plugin_dir=str(tmp_path / "dp"),
+                                                           dev_root=str(tmp_path / "dev"), metrics_dir="")
+    ours = daemon.Daemon(cfg, str(tmp_path / "none.toml"), False, {})  # (builds, starts nothing)
+    w = world.World(1, "current")
+    try:
+        simulated = world.AtedevdProcess(w, 1, 1024)
+    finally:
+        w.close()
+    for built in (ours, simulated):
+        assert (type(built.process), type(built.plugins)) == (process.Process, PluginDir), built
+        assert built.process.plugins is built.plugins
     assert "self.process.wake(" in read("atedevd/daemon/loop.py") and "self.process.wake(" in read("tests/simulation/world.py")
 
 

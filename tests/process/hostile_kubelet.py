@@ -3,7 +3,8 @@
 `HostileKubelet` is the stand-in with a `behaviour` that can be switched at
 any time: "hang" (accept Register and never answer), "error" (answer with an
 error status), "no-watch" (dial back, then never open ListAndWatch),
-"ten-streams" (open ten ListAndWatch streams at once and drop them), or
+"ten-streams" (open ten ListAndWatch streams at once, read each one's first answer, drop them
+all and fail the Register if any was refused, as kubelet's dial does), or
 "normal" (the stand-in's kubelet). `RawKubelet` is not gRPC at all: a unix
 socket that speaks just enough HTTP/2 to receive the Register call's headers
 and then closes the connection mid-call.
@@ -12,7 +13,8 @@ and then closes the connection mid-call.
 import os
 import socket
 import threading
-from typing import List
+import time
+from typing import List, Tuple
 
 import grpc
 
@@ -32,14 +34,19 @@ class HostileKubelet(Kubelet):
         self.error = error
         self.calls = {}  # behaviour -> Register calls handled that way
         self.cancelled = 0  # hung calls whose caller went away (cancelled, or died)
+        self.cancelled_at: List[float] = []  # when each was seen gone (monotonic; looked at every 20 ms)
+        self.deadlines: List[float] = []  # each Register's time remaining as it arrived: the caller's deadline
         self.release = threading.Event()  # ends every hang with an answer
-        self.streams_seen = 0  # first messages read by "ten-streams"
+        # "ten-streams": per Register, each stream's first answer: the number of devices in it, or
+        # the gRPC status code that refused it.
+        self.rounds: List[List[Tuple[str, object]]] = []
         self.held: List[grpc.Channel] = []  # dial-backs kept open by "no-watch"
 
     def Register(self, request, context):
         behaviour = self.behaviour
         with self.cond:
             self.calls[behaviour] = self.calls.get(behaviour, 0) + 1
+            self.deadlines.append(context.time_remaining())
             self.cond.notify_all()
         if behaviour == "normal":
             return super().Register(request, context)
@@ -50,6 +57,7 @@ class HostileKubelet(Kubelet):
                 if not context.is_active():
                     with self.cond:
                         self.cancelled += 1
+                        self.cancelled_at.append(time.monotonic())
                         self.cond.notify_all()
                     return pb.Empty()
             return pb.Empty()
@@ -61,18 +69,23 @@ class HostileKubelet(Kubelet):
             return pb.Empty()
         if behaviour == "ten-streams":
             streams = [stub.ListAndWatch(pb.Empty()) for _ in range(10)]
+            seen: List[Tuple[str, object]] = []
             try:
                 for s in streams:
-                    if len(next(s).devices) > 0:
-                        with self.cond:
-                            self.streams_seen += 1
-                            self.cond.notify_all()
-            except grpc.RpcError as e:  # the plugin went away meanwhile
-                context.abort(grpc.StatusCode.UNKNOWN, f"failed to dial device plugin: {e.code().name}")
+                    try:
+                        seen.append(("devices", len(next(s).devices)))
+                    except grpc.RpcError as e:  # refused (a stream too many), or the plugin went away meanwhile
+                        seen.append(("refused", e.code()))
             finally:
                 for s in streams:
                     s.cancel()
                 channel.close()
+                with self.cond:
+                    self.rounds.append(seen)
+                    self.cond.notify_all()
+            refused = [code for what, code in seen if what == "refused"]
+            if refused:
+                context.abort(grpc.StatusCode.UNKNOWN, f"failed to dial device plugin: {refused[0].name}")
             return pb.Empty()
         raise ValueError(behaviour)
 

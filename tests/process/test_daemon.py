@@ -332,7 +332,7 @@ def test_signal_stops_cleanly(daemon, kubelet, plugin_dir, signum):
     took = time.monotonic() - t0
     assert plugin_sockets(plugin_dir) == []
     assert os.path.exists(os.path.join(plugin_dir, "kubelet.sock"))  # kubelet's is not ours to touch
-    assert daemon.notify.wait_for("STOPPING", "1", timeout=1, after=n)
+    assert daemon.notify.wait_for("STOPPING", "1", timeout=10, after=n)  # sent before it exited: only our reader is waited for
     assert took < 5, took  # target is under 1 s (see the benchmark); this only catches hangs
     assert kubelet.wait(lambda: kubelet.capacity(RESOURCE) == 0, timeout=5)
 
@@ -348,24 +348,37 @@ def test_ready_carries_status_and_status_follows_state(daemon, kubelet):
 
 
 def test_watchdog_pings_at_half_the_interval(start_daemon, kubelet):
+    """The daemon's pacing, by the kernel's stamps of its datagrams (the harness's reader, starved
+    on a loaded machine, would read three pings at once and see them 20 µs apart)."""
     d = start_daemon(env={"WATCHDOG_USEC": "400000"})
     ready = d.wait_ready()["at"]
-    assert wait_until(lambda: len(d.notify.values("WATCHDOG")) >= 4, 5), d.notify.messages
-    pings = [m["at"] for m in d.notify.messages if m["fields"].get("WATCHDOG") == "1"]
-    assert pings[2] - ready <= 1.1, pings  # 3 in the first 1.1 s at least: about every 0.2 s ...
-    assert all(b - a >= 0.09 for a, b in zip(pings, pings[1:4])), pings  # ... and not more often than 12 in it
+    assert wait_until(lambda: len(d.notify.values("WATCHDOG")) >= 6, 10), d.notify.messages  # ~1 s of pings
+    pings = [m["at"] for m in d.notify.messages if m["fields"].get("WATCHDOG") == "1"][:6]
+    gaps = [b - a for a, b in zip(pings, pings[1:])]
+    # 3 in the first 1.25 s at least (0.4 s here, idle or under `stress-ng --cpu 2`) ...
+    assert pings[2] - ready <= 1.25, (ready, pings)
+    assert all(g >= 0.09 for g in gaps), gaps  # ... never more often than about every 0.2 s ...
+    assert min(gaps) < 0.3, gaps  # ... and at half the interval, not at the interval (0.4 s apart)
+
+
+def registered_status_read(d) -> int:
+    """The index of the first "registered" STATUS= read. A ping comes at the top of the loop's
+    first turn; the Register's answer reaches the loop in a later one: a ping, if any, was sent
+    before this message, on the same socket, and read before it."""
+    assert wait_until(lambda: ": registered, " in (d.status() or ""), 10), (d.status(), d.log())
+    return next(i for i, m in enumerate(d.notify.messages) if ": registered, " in m["fields"].get("STATUS", ""))
 
 
 def test_no_watchdog_pings_without_watchdog(daemon):
-    time.sleep(0.5)  # a window of silence is what is asserted (a ping would come at the loop's first turn)
-    assert daemon.notify.values("WATCHDOG") == []
+    n = registered_status_read(daemon)
+    assert [m for m in daemon.notify.messages[:n + 1] if "WATCHDOG" in m["fields"]] == []
 
 
 def test_watchdog_for_another_pid_is_ignored(start_daemon, kubelet):
     d = start_daemon(env={"WATCHDOG_USEC": "200000", "WATCHDOG_PID": "1"})
     d.wait_ready()
-    time.sleep(0.5)  # a window of silence is what is asserted: five pings' worth at 0.1 s
-    assert d.notify.values("WATCHDOG") == []
+    n = registered_status_read(d)
+    assert [m for m in d.notify.messages[:n + 1] if "WATCHDOG" in m["fields"]] == []
 
 
 def test_bad_config_exits_78_naming_the_problem(start_daemon, tmp_path, plugin_dir):

@@ -22,8 +22,10 @@ import grpc
 import pytest
 
 from atedevd.api import DevicePluginStub, pb
+from atedevd.kubelet.plugin import STREAMS_PER_RESOURCE
 from rig.harness import OUR_SOCKETS, RESOURCE, current_socket, our_files, plugin_sockets, wait_until
 from rig.kubelet_standin import Kubelet
+from rig.metrics_scrape import parse
 from tests.process.hostile_kubelet import HostileKubelet, RawKubelet
 
 pytestmark = pytest.mark.slow  # minutes in all: `make test`, not `make check`
@@ -46,6 +48,14 @@ def assert_serving(d, plugin_dir: str) -> None:
     assert d.proc.poll() is None, d.log()
     path = current_socket(plugin_dir) or current_socket(os.path.join(plugin_dir, ".atedevd"))
     assert path and allocates(path), f"{path}\n{d.log()}"
+
+
+def metric_samples(metrics_dir) -> dict:
+    """The samples of the daemon's atedevd.prom in `metrics_dir` (none before it is written)."""
+    try:
+        return parse((metrics_dir / "atedevd.prom").read_text())[0]
+    except FileNotFoundError:
+        return {}
 
 
 def assert_recovered(k: Kubelet, d, plugin_dir: str, registrations: int = 1) -> None:
@@ -74,23 +84,28 @@ def hostile(plugin_dir):
 
 
 def test_register_never_answered_kubelet_back_cancels_the_hung_call(hostile, start_daemon, plugin_dir):
-    """Register's own deadline is 20 s; a kubelet coming back must not wait for it."""
+    """Register's own deadline is 20 s; a kubelet coming back must not wait for it. That nothing
+    else gives up on the call before its deadline is the machine's, in simulated time
+    (tests/unit/registration/test_machine.py); here, the deadline kubelet gets, and what ends the call."""
     hung = hostile("hang")
     d = start_daemon()
     d.wait_ready()
     assert hung.wait(lambda: hung.calls.get("hang", 0) == 1), d.log()
-    time.sleep(0.5)  # a window is what is asserted: the hung call is left alone (its deadline is 20 s)
+    # the call's own deadline (20 s) as it arrived: its grpc-timeout header is rounded up, by 0.1 s seen
+    assert 15.0 < hung.deadlines[0] <= 21.0, hung.deadlines
     assert_serving(d, plugin_dir)  # serving while its Register hangs
     assert hung.cancelled == 0  # still hung: nothing has given up on it
     # A new kubelet takes over the directory: wipes it, serves a new kubelet.sock.
     # The old, hung one keeps its connection open and never answers.
+    back_at = time.monotonic()
     os.unlink(hung.socket)
     k = Kubelet(plugin_dir)
     k.start()
     try:
         assert k.wait_connected(RESOURCE, timeout=15), d.log()
-        # the daemon itself abandoned the hung call (well before its 20 s deadline)
+        # the daemon itself abandoned the hung call (well before its 20 s deadline), once kubelet came back
         assert hung.wait(lambda: hung.cancelled == 1, timeout=10)
+        assert back_at < hung.cancelled_at[0] < back_at + 15.0, (back_at, hung.cancelled_at)
         assert hung.calls == {"hang": 1}
         assert_recovered(k, d, plugin_dir)
     finally:
@@ -130,12 +145,17 @@ def test_register_connection_closed_mid_call(start_daemon, plugin_dir):
         k.close()
 
 
-def test_dials_back_and_never_opens_listandwatch(hostile, start_daemon, plugin_dir):
+def test_dials_back_and_never_opens_listandwatch(hostile, start_daemon, plugin_dir, tmp_path):
+    """Serving and alive once it has taken in Register's OK and waits for the stream that does
+    not come (when it gives up on it, VERIFY_S later, is the machine's: test_machine.py)."""
     k = hostile("no-watch")
-    d = start_daemon()
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    d = start_daemon(metrics_dir=str(metrics))
     d.wait_ready()
     assert k.wait(lambda: k.calls.get("no-watch", 0) == 1), d.log()
-    time.sleep(0.5)  # a window is what is asserted: serving, alive, while the stream it waits for (5 s) does not come
+    state = ("atedevd_resource_state", (("resource", RESOURCE), ("state", "verifying")))
+    assert wait_until(lambda: metric_samples(metrics).get(state) == 1, 10), d.log()  # (the file: once a second at most)
     assert_serving(d, plugin_dir)
     assert d.proc.poll() is None
     # the same kubelet, restarted and behaving: registered and streaming
@@ -145,12 +165,24 @@ def test_dials_back_and_never_opens_listandwatch(hostile, start_daemon, plugin_d
 
 
 def test_ten_listandwatch_streams_opened_at_once_and_dropped(hostile, start_daemon, plugin_dir):
+    """Each round kubelet opens ten streams at once on the new socket and drops them: the budget's
+    worth are served the full device list, the rest refused; the Register fails, the daemon registers
+    again (backing off), and holds nothing of the round after (a stream kept per round would use up
+    the budget within it: more rounds than that are waited for)."""
     k = hostile("ten-streams")
     d = start_daemon()
     d.wait_ready()
-    # the dropped streams belong to the registration: each round ends it, the daemon registers again
-    # (every stream got the full device list first)
-    assert k.wait(lambda: k.streams_seen >= 30, timeout=20), d.log()
+    rounds = STREAMS_PER_RESOURCE + 2
+    for i in range(1, rounds + 1):  # each round, waited for as it comes: 0.4 s at most here, idle or loaded
+        assert k.wait(lambda: len(k.rounds) >= i, timeout=10), (k.rounds, d.log())
+    served = 0
+    for seen in k.rounds[:rounds]:
+        lists = [n for what, n in seen if what == "devices"]
+        refused = [code for what, code in seen if what == "refused"]
+        assert all(n == 1024 for n in lists) and len(lists) <= STREAMS_PER_RESOURCE, seen
+        assert refused and set(refused) == {grpc.StatusCode.RESOURCE_EXHAUSTED}, seen
+        served += len(lists)
+    assert served >= rounds, k.rounds  # (a round's streams race the last one's going: not every one gets three)
     assert_serving(d, plugin_dir)
     k.behaviour = "normal"
     assert_recovered(k, d, plugin_dir)
@@ -215,7 +247,7 @@ def test_plugin_dir_made_read_only(start_daemon, plugin_dir, tmp_path):
         k = Kubelet(plugin_dir)
         k.start()
         try:
-            d = start_daemon(plugin_dir=view)
+            d = start_daemon(plugin_dir=view, env={"WATCHDOG_USEC": "200000"})  # (its pings show its loop's turns)
             d.wait_ready()
             assert k.wait_connected(RESOURCE), d.log()
             _mount("-o", "remount,bind,ro", view)
@@ -225,7 +257,9 @@ def test_plugin_dir_made_read_only(start_daemon, plugin_dir, tmp_path):
             # kubelet restarts: our socket is wiped; binding it again fails with EROFS
             k.restart(0.05)
             assert wait_until(lambda: "cannot serve" in d.log(), 10), d.log()
-            time.sleep(1.0)  # a window is what is asserted: the retries (10 ms, 20, ...) would repeat the line
+            # Every turn of the loop tries to serve again; four whole turns after the line was read,
+            # a line said per try would be there.
+            assert d.notify.wait_turns(4, since=time.monotonic()), d.log()
             assert d.proc.poll() is None
             log = d.log()
             assert log.count("cannot serve") == 1, log  # said once, not per retry
@@ -267,26 +301,60 @@ def test_socket_path_too_long(start_daemon, tmp_path):
 # --- the daemon stopped and killed ---------------------------------------------------------
 
 
-def test_sigstop_while_kubelet_restarts_then_sigcont(daemon, kubelet, plugin_dir):
+def process_state(pid: int) -> str:
+    """The one-letter state of /proc/PID/stat: "T" once SIGSTOP has stopped it."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_sigstop_while_kubelet_restarts_then_sigcont(start_daemon, kubelet, plugin_dir):
+    """kubelet restarts while the daemon is stopped: one registration for it after SIGCONT, by
+    kubelet's count and the daemon's own STATUS= two loop turns on; and a stop with nothing
+    happening re-registers nothing. (The watchdog's pings, stamped by the kernel, show the turns.)"""
+    daemon = start_daemon(env={"WATCHDOG_USEC": "200000"})  # (its pings show its loop's turns)
+    daemon.wait_ready()
+    assert kubelet.wait_connected(RESOURCE), daemon.log()
+    assert wait_until(lambda: ": registered, " in (daemon.status() or ""), 10), (daemon.status(), daemon.log())
     daemon.send(signal.SIGSTOP)
     try:
-        kubelet.restart(0.05)
-        time.sleep(0.5)  # the daemon stays stopped through kubelet's restart: the window is the test
+        assert wait_until(lambda: process_state(daemon.pid) == "T", 10)
+        kubelet.restart(0.05)  # returns once the new kubelet listens: the whole restart while stopped
+        assert process_state(daemon.pid) == "T"
         assert kubelet.registration_count(RESOURCE) == 1  # a stopped daemon cannot answer
         assert kubelet.capacity(RESOURCE) == 0
     finally:
         daemon.send(signal.SIGCONT)
     assert_recovered(kubelet, daemon, plugin_dir, registrations=2)
-    time.sleep(0.5)  # a window is what is asserted: no second registration for the one restart
-    assert kubelet.registration_count(RESOURCE) == 2, daemon.log()  # one restart, one registration
+    # One restart, one registration: the daemon says it is registered again, and two whole turns
+    # on still is (a second Register, for an event of the same restart taken in late, is decided
+    # in the turn the first one ends, or from inputs read by then, and says "registering").
+    assert wait_until(lambda: ", re-registered " in (daemon.status() or ""), 10), (daemon.status(), daemon.log())
+    shown = next(m for m in daemon.notify.messages if ", re-registered " in m["fields"].get("STATUS", ""))
+    assert daemon.notify.wait_turns(2, since=shown["at"]), daemon.log()
+    assert_still_registered(daemon, shown)
+    assert kubelet.registration_count(RESOURCE) == 2, daemon.log()
     # and stopped with nothing happening: still registered after, with no new registration
-    before = kubelet.registration_count(RESOURCE)
+    shown = [m for m in daemon.notify.messages if "STATUS" in m["fields"]][-1]
     daemon.send(signal.SIGSTOP)
-    time.sleep(0.3)  # stopped this long: the test
+    assert wait_until(lambda: process_state(daemon.pid) == "T", 10)
+    time.sleep(0.3)  # stopped this long (its pings and timers come due meanwhile): the test
+    resumed = time.monotonic()
     daemon.send(signal.SIGCONT)
     assert_serving(daemon, plugin_dir)
-    time.sleep(0.3)  # a window is what is asserted: nothing re-registers after the SIGCONT
-    assert kubelet.registration_count(RESOURCE) == before and kubelet.capacity(RESOURCE) == 1024, daemon.log()
+    # What it makes of the stop it decides in its first turns after it: two whole turns on.
+    assert daemon.notify.wait_turns(2, since=resumed), daemon.log()
+    assert_still_registered(daemon, shown)
+    assert kubelet.registration_count(RESOURCE) == 2 and kubelet.capacity(RESOURCE) == 1024, daemon.log()
+
+
+def assert_still_registered(d, shown: dict) -> None:
+    """Every STATUS= the daemon said after `shown` (a "registered" one) says registered, and by the
+    same re-registration: a new one would have said "registering with kubelet" in the turn that
+    decided it (STATUS= is said whenever it changes, before the next ping)."""
+    since = shown["fields"]["STATUS"].partition(", re-registered ")[2]  # (the count it shows may be news)
+    said = [m["fields"]["STATUS"] for m in d.notify.messages if m["at"] > shown["at"] and "STATUS" in m["fields"]]
+    assert [t for t in said if not t.startswith(f"{RESOURCE}: registered, ") or t.partition(", re-registered ")[2] != since] \
+        == [], (shown, said)
 
 
 def test_kill_9_mid_registration_then_restart(hostile, start_daemon, plugin_dir):

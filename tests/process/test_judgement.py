@@ -32,6 +32,7 @@ import time
 import pytest
 
 from atedevd.cdi import files as cdi_files
+from atedevd.glue.resource import LOOK_EVERY_S
 from rig.harness import REPO, wait_until
 from rig.nodes import fake_sysfs, mknod
 from tests.runtime import oci_runtime
@@ -100,6 +101,14 @@ class SpecSampler(threading.Thread):
         return {(ma, mi) for n, ma, mi in self.seen if n == name}
 
 
+def sampled(watch: SpecSampler) -> None:
+    """Two more whole reads of the spec (one begun after now), then the sampler stops."""
+    reads = watch.reads
+    assert wait_until(lambda: watch.reads >= reads + 2, 10), watch.reads
+    watch.stop.set()
+    watch.join()
+
+
 def cdi_config(tmp_path, spec_dir, devices):
     return write(tmp_path / "c.toml", f'[daemon]\ncdi = true\ncdi_spec_dir = "{spec_dir}"\n{devices}')
 
@@ -142,9 +151,11 @@ def test_a_units_cdi_spec_never_names_a_node_its_judgement_did_not_see(start_dae
         for i in range(1, 120, 7):  # the others made anew too: each look judges many
             remake(str(dev / f"ttyX{i:03}"), 188, i)
     remake(str(dev / "ttyX000"), *MSR)  # it ends refused, as the churn left it
-    time.sleep(1.0)
-    watch.stop.set()
-    watch.join()
+    assert kubelet.devices("ate.dev/x").get("ttyX119") == "Healthy", kubelet.devices("ate.dev/x")
+    os.unlink(dev / "ttyX119")  # then a node the churn never touched goes: kubelet sees it go once the
+    # daemon has taken in everything before it (one inotify queue, read in order), the last remake too
+    assert kubelet.wait(lambda: kubelet.devices("ate.dev/x").get("ttyX119") != "Healthy", KEEP_S), d.log()
+    sampled(watch)
     assert watch.reads > 100 and swaps > 100 or watch.numbers("ttyX000") - {(188, 0)}, (watch.reads, swaps)
     assert watch.numbers("ttyX000") == {(188, 0)}, watch.numbers("ttyX000")
     assert kubelet.wait(lambda: kubelet.devices("ate.dev/x").get("ttyX000") == "Unhealthy", 10), d.log()
@@ -179,9 +190,12 @@ def test_a_link_moved_onto_another_units_node_never_puts_that_node_under_its_nam
         for i in range(moves % 3, 60, 3):
             remake(str(dev / f"ttyZ{i}"), 189, i)  # the other adapters' nodes made anew: each look judges many
     relink(str(by_id / "usb-a"), "../../ttyA")
-    time.sleep(1.0)
-    watch.stop.set()
-    watch.join()
+    assert kubelet.devices("ate.dev/serial").get("serial-by-id-usb-z0") == "Healthy", kubelet.devices("ate.dev/serial")
+    os.unlink(by_id / "usb-z0")  # then a link the churn never touched goes: kubelet sees it go once the
+    # daemon has taken in everything before it (one inotify queue, read in order), the last move too
+    assert kubelet.wait(lambda: kubelet.devices("ate.dev/serial").get("serial-by-id-usb-z0") != "Healthy", KEEP_S), \
+        d.log()
+    sampled(watch)
     assert watch.reads > 100 and moves > 100 or watch.numbers("serial-by-id-usb-a") - {(188, 1)}, (watch.reads, moves)
     assert watch.numbers("serial-by-id-usb-a") == {(188, 1)}, watch.numbers("serial-by-id-usb-a")
     assert watch.numbers("serial-by-id-usb-b") == {(188, 2)}, watch.numbers("serial-by-id-usb-b")
@@ -371,7 +385,7 @@ def test_a_pattern_directory_a_user_owns_is_refused_at_start_on_reload_and_when_
     assert f"not trusted: {mine} is owned by nobody (owner nobody:nogroup, mode 0755), not root: chown root {mine}" in d.log()
     assert stat.S_IMODE(os.stat(event).st_mode) == 0o600
     write(cfg, "")
-    d = start_daemon(dev_root=dev, config=cfg)
+    d = start_daemon(dev_root=dev, config=cfg, env={"WATCHDOG_USEC": "200000"})  # (its pings show its loop's turns)
     d.wait_ready()
     assert kubelet.wait_connected("ate.dev/kvm"), d.log()
     write(cfg, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n' + table)
@@ -388,7 +402,11 @@ def test_a_pattern_directory_a_user_owns_is_refused_at_start_on_reload_and_when_
     assert "device-untrusted" in d.log() or f"/dev/mine/kbd: not trusted: {mine} is owned by nobody" in d.log(), d.log()
     as_nobody(f"import os; os.symlink('../input/event0', {mine + '/kbd2'!r})")
     os.chmod(event, 0o600)  # udev puts the mode back: host_mode no longer widens a node it did not judge present
-    time.sleep(KEEP_S)
+    # Both are events (mine/ and input/ are watched), taken in at the next turns; and a periodic
+    # look (every LOOK_EVERY_S) due after them has been taken once two whole turns begun after it are.
+    look_due = time.monotonic() + LOOK_EVERY_S
+    time.sleep(LOOK_EVERY_S)
+    assert d.notify.wait_turns(2, since=look_due), d.log()
     assert stat.S_IMODE(os.stat(event).st_mode) == 0o600, d.log()
     assert "mine-kbd2" not in kubelet.devices("ate.dev/mine"), kubelet.devices("ate.dev/mine")
 

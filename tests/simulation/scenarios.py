@@ -6,7 +6,10 @@ its first two seconds, with every step on both sides delayed 0–`max_delay`
 for the healthy end state: kubelet running, one live stream on the daemon's
 newest socket, that endpoint current and not stopped, allocatable equal to what
 is configured, no Register in flight or teardown pending, no duplicate Register
-in one kubelet process, and the daemon itself registered. Rounds run in chains of
+in one kubelet process, and the daemon itself registered; some scenarios add checks of their
+own (`World.checks`), exact where a process-level test could only wait out a window: no
+Register after a reload that changes nothing Register carries, none for a unit's node going and
+coming back, an upgrade that took place. Rounds run in chains of
 `CHAIN` in one world (`run_rounds`): the first begins cold, the others at the healthy end of
 the round before, so that most of a round's work is its disturbance, not a first start.
 """
@@ -74,13 +77,36 @@ def daemon_kill_restart(w: World) -> None:
     w.after(w.rng.uniform(0, 2.0), w.restart_daemon, "kill")
 
 
+def _not_registered_again(w: World, *resources: str) -> None:
+    """A check: the kubelet running now accepts no further Register of these resources by the
+    round's end, if it is still the one running then (a kubelet restart is a reason to register
+    again). Exact, where a process-level test could only wait out a window for the stray Register."""
+    inc = w.kubelet.inc
+
+    def accepted(resource: str) -> int:
+        return len([a for a in inc.accepted if a[0] == resource])
+    before = {r: accepted(r) for r in resources}
+
+    def problems() -> List[str]:
+        if w.kubelet.inc is not inc:
+            return []
+        return [f"{r} registered {accepted(r) - before[r]} more time(s) with kubelet#{inc.n}, not 0"
+                for r in resources if accepted(r) != before[r]]
+    w.checks.append(problems)
+
+
 def reload_changed(w: World) -> None:
+    """SIGHUP with kvm's count changed (or not: the same count drawn): the new list goes out on
+    the open stream; nothing registers again (only a change of what Register carries would)."""
     new = w.rng.choice((1024, 2048))
+    _not_registered_again(w, RESOURCE, PATTERN_RESOURCE)
     w.count = new
     w.after(w.rng.uniform(0, 2.0), lambda: w.daemon.reload(new))
 
 
 def reload_unchanged(w: World) -> None:
+    """SIGHUP with nothing changed: nothing registers again."""
+    _not_registered_again(w, RESOURCE, PATTERN_RESOURCE)
     w.after(w.rng.uniform(0, 2.0), lambda: w.daemon.reload(w.daemon.count))
 
 
@@ -204,7 +230,9 @@ def upgrade_disturbed(w: World) -> None:
 def sighup_resource_removed_and_back(w: World) -> None:
     """A reload drops the pattern resource (every socket of it closes, whatever its
     registration was doing), a second puts it back 0-2 s later; a kubelet restart may
-    come around them."""
+    come around them. kvm, unchanged by both, never registers again unless kubelet restarted."""
+    _not_registered_again(w, RESOURCE)
+
     def drop():
         if w.daemon is not None:
             w.daemon.reload(w.daemon.count, pattern=False)

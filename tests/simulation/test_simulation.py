@@ -69,3 +69,15 @@ def test_the_workers_remove_their_dev_roots():
     results = run_matrix(["sighup-unchanged"], ["1.32"], 4, first_seed=1, max_delay=1.0, jobs=2)
     assert results[("sighup-unchanged", "1.32")]["rounds"] == 4
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "atedevd-sim-dev-*"))) - before == set()
+
+
+def test_a_reload_that_registers_again_is_found(monkeypatch):
+    """The reload scenarios hold the registrations exactly: a daemon whose every reconfigured
+    resource registers anew (its options taken as changed) fails them, where a process-level
+    test could only have waited out a window for the stray Register."""
+    from atedevd.glue import resource
+
+    monkeypatch.setattr(resource, "plugin_options", lambda device: object())  # never equal: always "changed"
+    failures = run_matrix(["sighup-changed"], ["current"], 40, 1, 1.0, 1)[("sighup-changed", "current")]["failures"]
+    assert failures and all("ate.dev/kvm registered 1 more time(s) with kubelet#" in p
+                            for _, _, problems in failures for p in problems if "registered" in p), failures

@@ -13,7 +13,6 @@ import contextlib
 import fnmatch
 import json
 import re
-import time
 
 import pytest
 
@@ -225,7 +224,8 @@ def test_reload_keeps_the_registration(clean):
     wait_journal(node, cur, lambda s: '"ATEDEVD_EVENT":"reloaded"' in s, "the reloaded event", "-o", "json")
     wait_until(lambda: (standin_state(node)["resources"].get("ate.dev/tun") or {}).get("healthy") == 8, 20,
                "the reloaded config's second device registered", lambda: f"{standin_state(node)}\n{diagnostics(node)}")
-    time.sleep(1.5)  # a window is what is asserted: a dropped registration would show in it
+    # kvm's registration untouched by the reload that served tun. That no Register of it comes
+    # later either is the simulation's to say, exactly (the sighup-* scenarios), not a window's here.
     kvm = resource_state(node)
     assert kvm["registrations"] == before and kvm["connected"], kvm
 
@@ -248,9 +248,12 @@ def test_watchdog_kills_a_stopped_loop(clean):
     dropin(node, "watchdog", "[Service]\nWatchdogSec=3s\n")
     before = start_and_register(node)["registrations"]
     pid = node.main_pid()
-    # Alive and pinging: more than twice the 3 s limit later, still the same process, never restarted
-    # (the window is what is asserted).
-    time.sleep(7)
+    # Alive and pinging: systemd itself took a ping more than twice the 3 s limit after the start
+    # (WatchdogTimestamp is its last one's), and it is still the same process, never restarted.
+    def pinged_late():
+        show = node.show("atedevd", "WatchdogTimestampMonotonic", "ExecMainStartTimestampMonotonic")
+        return int(show["WatchdogTimestampMonotonic"]) > int(show["ExecMainStartTimestampMonotonic"]) + 2 * 3_000_000
+    wait_until(pinged_late, 30, "a ping more than 6 s after the start", lambda: diagnostics(node))  # 6-7.5 s
     assert (node.main_pid(), node.show("atedevd", "NRestarts")["NRestarts"]) == (pid, "0"), diagnostics(node)
     cur = cursor(node)
     node.run("kill", "-STOP", str(pid))
@@ -284,13 +287,11 @@ def test_broken_config_fails_once_with_a_clear_message(clean):
     node.write(CONFIG, '[daemon]\nlog_level = "loud"\n\n[[device]]\nresource = "kvm"\n')
     p = node.systemctl("start", "atedevd", check=False)
     assert p.returncode != 0
-    show = node.show("atedevd", "ActiveState", "Result", "ExecMainStatus", "NRestarts")
-    assert show == {"ActiveState": "failed", "Result": "exit-code", "ExecMainStatus": "78", "NRestarts": "0"}, show
-    # A window is what is asserted: with RestartSec=0 a restart is scheduled as the failure is
-    # handled and comes 15-60 ms later (docs/design.md); none in 1 s.
-    time.sleep(1)
-    show = node.show("atedevd", "ActiveState", "NRestarts")
-    assert show == {"ActiveState": "failed", "NRestarts": "0"}, show
+    # systemd decides on a restart as it handles the failure: one scheduled would show as SubState
+    # auto-restart (the 15-60 ms until it comes, docs/design.md), never as failed; failed is final.
+    show = node.show("atedevd", "ActiveState", "SubState", "Result", "ExecMainStatus", "NRestarts")
+    assert show == {"ActiveState": "failed", "SubState": "failed", "Result": "exit-code", "ExecMainStatus": "78",
+                    "NRestarts": "0"}, show
     status = ""
 
     def clear():

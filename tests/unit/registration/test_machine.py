@@ -8,13 +8,16 @@ whole daemon's glue runs under simulation (tests/simulation/test_simulation.py).
 import gc
 import tracemalloc
 from logging import DEBUG
+from typing import List, Tuple
 
 import pytest
 
+from atedevd.kubelet.calls import REGISTER_TIMEOUT_S
 from atedevd.registration import machine as machine_module
 from atedevd.registration import messages as m
 from atedevd.registration.machine import TRANSITIONS, InvalidTransition, Registration
 from atedevd.registration.messages import Listing, Outcome, State, Why
+from atedevd.registration.moves import VERIFY_S
 from tests.simulation.world import RESOURCE, World
 
 
@@ -325,3 +328,53 @@ def test_register_again_hands_over_from_our_own_socket_and_is_ignored_while_hand
     off.take()
     off.handle(1.5, m.RegisterAgain())  # the successor's business now
     assert kinds(off) == [] and off.tally.begun.get(Why.TAKEN_BACK) is None
+
+
+def sent_register(now: float = 0.0) -> Tuple[Registration, m.SendRegister]:
+    """A first registration's Register just sent, kubelet up since a minute."""
+    reg = Registration(RESOURCE, 4, connections_visible=True)
+    reg.handle(now, m.Serve(True, now - 60))
+    ask = first(reg.take(), m.AskPodResources)
+    reg.handle(now, m.Bound(1))
+    reg.handle(now, m.Listed(ask.cid, Listing.LISTED, 0))
+    reg.handle(now, m.Placed(1))
+    return reg, first(reg.take(), m.SendRegister)
+
+
+def run_timers(reg: Registration, until: float) -> List[m.Action]:
+    """Every timer of the machine due before `until`, in order, with nothing else happening."""
+    acts: List[m.Action] = []
+    at = reg.get_timer()
+    while at is not None and at < until:
+        reg.handle_timer(at)
+        acts += reg.take()
+        at = reg.get_timer()
+    reg.handle_timer(until)
+    return acts + reg.take()
+
+
+def test_a_hung_register_is_left_to_its_own_deadline_and_cancelled_only_by_a_new_kubelet():
+    """kubelet holds our Register and never answers: no timer of the machine gives up on the call
+    before its own deadline (REGISTER_TIMEOUT_S, which the process-level test sees kubelet get),
+    however long nothing happens; a new kubelet.sock cancels it, and a new Register follows."""
+    reg, send = sent_register()
+    quiet = run_timers(reg, REGISTER_TIMEOUT_S - 0.001)
+    assert [a for a in quiet if isinstance(a, (m.CancelCall, m.SendRegister, m.Bind, m.Place))] == []
+    assert reg.state is State.REGISTERING
+    reg.handle(REGISTER_TIMEOUT_S - 0.001, m.KubeletCreated(REGISTER_TIMEOUT_S - 0.002, ours_present=False))
+    acts = reg.take()
+    assert m.CancelCall(send.cid) in acts, acts
+
+
+def test_a_register_answered_but_never_streamed_is_sent_again_exactly_after_verify_s():
+    """kubelet answers OK and never opens ListAndWatch: nothing is closed or sent again before
+    VERIFY_S, and at VERIFY_S the registration is given up on, said, and begun again (the
+    process-level test sees the daemon serve while it waits, not how long it waits)."""
+    reg, send = sent_register()
+    reg.handle(0.002, m.RegisterDone(send.cid, Outcome.OK))
+    assert reg.state is State.VERIFYING
+    reg.take()
+    quiet = run_timers(reg, 0.002 + VERIFY_S - 0.001)
+    assert [a for a in quiet if not isinstance(a, (m.Say, m.Bind))] == [] and reg.state is State.VERIFYING, quiet
+    again = run_timers(reg, 0.002 + VERIFY_S + 0.5)
+    assert reg.state is State.LETTING_GO and [a.kind for a in again if isinstance(a, m.Say)] == ["not-watched"], again
