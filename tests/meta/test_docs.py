@@ -341,13 +341,13 @@ def test_the_loop_and_the_simulation_run_the_same_glue(tmp_path):
     """The daemon's loop and the simulated process each build the glue's own `Process` (not a copy
     nor a subclass) over the glue's own `PluginDir`, and drive it by `wake`: what the simulation
     finds is about the daemon. (Comparing the name each module imports with itself could not fail.)"""
-    from atedevd import config
+    from atedevd.config_file.load import load
     from atedevd.daemon import loop as daemon
     from atedevd.glue import process
     from atedevd.glue.plugin_dir import PluginDir
     from tests.simulation import world
 
-    cfg = config.load(str(tmp_path / "none.toml"))._replace(device_plugin_dir=str(tmp_path / "dp"),
+    cfg = load(str(tmp_path / "none.toml"))._replace(device_plugin_dir=str(tmp_path / "dp"),
                                                            dev_root=str(tmp_path / "dev"), metrics_dir="")
     ours = daemon.Daemon(cfg, str(tmp_path / "none.toml"), False, {})  # (builds, starts nothing)
     w = world.World(1, "current")

@@ -213,11 +213,13 @@ def test_reload_keeps_the_registration(clean):
     node.write(CONFIG, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n\n'
                        '[[device]]\nresource = "ate.dev/tun"\npath = "/dev/net/tun"\ncount = 8\n')
     cur = cursor(node)
+    # `systemctl reload` returns when ExecReload's kill has exited (Type=notify): the daemon's
+    # RELOADING=1 and READY=1 may come after it, so systemd logs at debug level until READY=1 is seen.
     with systemd_debug(node):
         node.systemctl("reload", "atedevd")
+        messages = notifications(node, cur, pid, "READY=1")
     assert node.main_pid() == pid
     assert node.show("atedevd", "ActiveState")["ActiveState"] == "active"
-    messages = notifications(node, cur, pid, "READY=1")
     reloading = messages.find("RELOADING=1")
     assert reloading >= 0 and "MONOTONIC_USEC=" in messages[reloading:], messages
     assert messages.find("READY=1", reloading) > reloading, messages
