@@ -1,8 +1,8 @@
 """Registration under simulation (tests/simulation): the real machine, models of both kubelet
 generations, every step delayed 0–1 s on both sides, the end state asserted each round.
 
-SIM_ROUNDS (environment, default 5000: `make test`; `make sim` runs 10000) sets the rounds per scenario and kubelet mode, ten
-to a world (tests/simulation/scenarios.py, `run_rounds`); a failure names its seed and its
+SIM_ROUNDS (environment; default 5000, as `make test` runs it, where `make sim` runs 10000)
+sets the rounds per scenario and kubelet mode, ten to a world (tests/simulation/scenarios.py, `run_rounds`); a failure names its seed and its
 world's, and `python3 -m tests.simulation --replay SEED --from WORLD_SEED ...` prints its history.
 The machine and its parts, event by event, are tested on their own in tests/unit/registration/.
 """
