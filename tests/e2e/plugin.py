@@ -1,0 +1,132 @@
+"""atedevd on the cluster's node, run from the checkout as systemd runs it (rig/harness.py's
+DaemonUnderTest: a process, NOTIFY_SOCKET, signals), serving the kubelet's custom root.
+
+The package is run from a copy in the cluster's directory, as a node runs it from its installed
+files, so that an upgrade can replace a file of it by a rename (the package manager's way) and a
+reload then hands over to the successor (docs/design.md, *Upgrades*).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from rig.harness import REPO, DaemonUnderTest, wait_until
+
+KVM_TABLE = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+class Atedevd:
+    """One node's atedevd across its processes: started, restarted, reloaded, upgraded."""
+
+    def __init__(self, cluster, devices: str = KVM_TABLE, cdi: bool = False, endpoints: str = "per-resource",
+                 log_level: str = "info"):
+        self.cluster = cluster
+        self.work = cluster.root / "atedevd"
+        self.work.mkdir(exist_ok=True)
+        self.site = self.work / "site"
+        if not self.site.exists():
+            shutil.copytree(Path(REPO) / "atedevd", self.site / "atedevd", ignore=shutil.ignore_patterns("__pycache__"))
+        self.config = self.work / "config.toml"
+        self.log_level = log_level
+        self.generations: List[DaemonUnderTest] = []
+        self.successor: Optional[int] = None  # an upgrade's successor: systemd's main process, not our child
+        self.write_config(devices, cdi=cdi, endpoints=endpoints)
+        cluster.on_stop(self.close)
+
+    def write_config(self, devices: str, cdi: bool = False, endpoints: str = "per-resource") -> None:
+        """The configuration, replaced whole (written beside, renamed over: as the docs ask)."""
+        text = (f'[daemon]\ndevice_plugin_dir = "{self.cluster.plugin_dir}"\nkubelet_endpoints = "{endpoints}"\n'
+                f'metrics_dir = ""\ncdi = {str(cdi).lower()}\ncdi_spec_dir = "{self.cluster.cdi_dir}"\n\n{devices}')
+        tmp = self.config.with_name("config.toml.new")
+        tmp.write_text(text)
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, self.config)
+
+    @property
+    def current(self) -> DaemonUnderTest:
+        return self.generations[-1]
+
+    def start(self, wait: bool = True) -> DaemonUnderTest:
+        """A new process (systemd's ExecStart=); with `wait`, until it said READY=1."""
+        run = self.work / f"run-{len(self.generations)}"
+        d = DaemonUnderTest(str(run), plugin_dir=str(self.cluster.plugin_dir), dev_root="/dev", config=str(self.config),
+                            log_level=self.log_level, launcher=self.launcher())
+        self.generations.append(d)
+        if wait:
+            d.wait_ready(30)
+        return d
+
+    def launcher(self) -> tuple:
+        site = str(self.site)
+        return ("-c", f"import sys; sys.path.insert(0, {site!r})\nfrom atedevd.launch import main; sys.exit(main(sys.argv[1:]))")
+
+    def stop(self, sig: int = signal.SIGTERM) -> Optional[int]:
+        """Stop the running process (or an upgrade's successor); its exit status if ours."""
+        if self.successor is not None:
+            os.kill(self.successor, sig)
+            assert wait_until(lambda: _gone(self.successor), 30), f"successor {self.successor} did not exit"
+            self.successor = None
+            return None
+        d = self.current
+        if d.proc.poll() is None:
+            d.proc.send_signal(sig)
+        return d.proc.wait(30)
+
+    def restart(self, sig: int = signal.SIGTERM) -> DaemonUnderTest:
+        """As systemd does it: `systemctl restart` (SIGTERM, then a new process once it exited)
+        or Restart=always with RestartSec=0 after a kill -9 (a new process once it is reaped)."""
+        self.stop(sig)
+        return self.start(wait=False)
+
+    def reload(self, devices: str, cdi: bool = False, endpoints: str = "per-resource") -> None:
+        """`systemctl reload`: the file replaced, SIGHUP, RELOADING=1 then READY=1."""
+        self.write_config(devices, cdi=cdi, endpoints=endpoints)
+        time.sleep(0.06)  # a reload takes a file last changed 50 ms before
+        d = self.current
+        n = len(d.notify.messages)
+        d.send(signal.SIGHUP)
+        assert d.notify.wait_for("RELOADING", "1", timeout=10, after=n), d.log()
+        assert d.notify.wait_for("READY", "1", timeout=10, after=n), d.log()
+
+    def wait_startup_done(self) -> None:
+        """The start's deferred work is done: it notes the installed files an upgrade compares."""
+        assert wait_until(lambda: "start-up done" in self.current.log(), 15), self.current.log()
+
+    def upgrade(self) -> int:
+        """The package manager's upgrade and postinst: a file of the installed package replaced by
+        a rename, then a reload; returns the successor's pid once the old process has exited."""
+        build = self.site / "atedevd" / "_build.py"
+        tmp = build.with_name("_build.py.dpkg-new")
+        tmp.write_text(build.read_text() + "# upgraded\n")
+        os.rename(tmp, build)
+        d = self.current
+        n = len(d.notify.messages)
+        d.send(signal.SIGHUP)
+        main = d.notify.wait_for("MAINPID", timeout=30, after=n)
+        assert main, d.log()
+        assert d.proc.wait(30) == 0, d.log()
+        self.successor = int(main["fields"]["MAINPID"])
+        return self.successor
+
+    def log(self) -> str:
+        return "\n".join(d.log() for d in self.generations)
+
+    def close(self) -> None:
+        if self.successor is not None and not _gone(self.successor):
+            os.kill(self.successor, signal.SIGKILL)
+            wait_until(lambda: _gone(self.successor), 10)
+        self.successor = None
+        for d in self.generations:
+            d.close()
