@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 from tests.e2e import build, image
 from tests.e2e.api import Api, wait_for
+from tests.e2e.kubelet_log import Follower, KubeletLog
 from tests.e2e.pki import PKI
 
 NODE = "e2e-node"
@@ -124,6 +125,7 @@ class Cluster:
         self.api: Optional[Api] = None
         self.kubelet_log: Optional[Path] = None
         self._kubelet_starts = 0
+        self._follower = Follower(lambda: [self.logs / f"kubelet-{i}.log" for i in range(1, self._kubelet_starts + 1)])
         self._host: Dict[str, object] = {}
         self._extra_cleanup: List = []
 
@@ -409,6 +411,10 @@ class Cluster:
             except OSError:
                 pass
         return lines
+
+    def klog(self, resource: str = "ate.dev/kvm") -> KubeletLog:
+        """kubelet's device manager lines so far, across its restarts."""
+        return KubeletLog(self._follower.lines(), resource)
 
     def node(self) -> dict:
         return self.api.get(f"/api/v1/nodes/{NODE}")

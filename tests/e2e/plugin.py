@@ -19,7 +19,8 @@ from rig.harness import REPO, DaemonUnderTest, wait_until
 KVM_TABLE = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
 
 
-def _gone(pid: int) -> bool:
+def gone(pid: int) -> bool:
+    """The process is no more (or a zombie nobody reaped yet)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
@@ -56,7 +57,13 @@ class Atedevd:
 
     @property
     def current(self) -> DaemonUnderTest:
+        """The process we started last; after an upgrade its notify socket and log file are the
+        successor's too (it inherits them), but its process is gone."""
         return self.generations[-1]
+
+    @property
+    def main_pid(self) -> int:
+        return self.successor if self.successor is not None else self.current.pid
 
     def start(self, wait: bool = True) -> DaemonUnderTest:
         """A new process (systemd's ExecStart=); with `wait`, until it said READY=1."""
@@ -64,6 +71,7 @@ class Atedevd:
         d = DaemonUnderTest(str(run), plugin_dir=str(self.cluster.plugin_dir), dev_root="/dev", config=str(self.config),
                             log_level=self.log_level, launcher=self.launcher())
         self.generations.append(d)
+        self.successor = None
         if wait:
             d.wait_ready(30)
         return d
@@ -72,17 +80,19 @@ class Atedevd:
         site = str(self.site)
         return ("-c", f"import sys; sys.path.insert(0, {site!r})\nfrom atedevd.launch import main; sys.exit(main(sys.argv[1:]))")
 
+    def _wait_gone(self, pid: int, timeout: float = 30) -> None:
+        if pid == self.current.pid:
+            self.current.proc.wait(timeout)
+        else:
+            assert wait_until(lambda: gone(pid), timeout), f"atedevd {pid} did not exit"
+
     def stop(self, sig: int = signal.SIGTERM) -> Optional[int]:
-        """Stop the running process (or an upgrade's successor); its exit status if ours."""
-        if self.successor is not None:
-            os.kill(self.successor, sig)
-            assert wait_until(lambda: _gone(self.successor), 30), f"successor {self.successor} did not exit"
-            self.successor = None
-            return None
-        d = self.current
-        if d.proc.poll() is None:
-            d.proc.send_signal(sig)
-        return d.proc.wait(30)
+        """Stop the main process (ours, or an upgrade's successor); our process's exit status."""
+        pid = self.main_pid
+        if not gone(pid):
+            os.kill(pid, sig)
+        self._wait_gone(pid)
+        return self.current.proc.returncode if pid == self.current.pid else None
 
     def restart(self, sig: int = signal.SIGTERM) -> DaemonUnderTest:
         """As systemd does it: `systemctl restart` (SIGTERM, then a new process once it exited)
@@ -94,15 +104,16 @@ class Atedevd:
         """`systemctl reload`: the file replaced, SIGHUP, RELOADING=1 then READY=1."""
         self.write_config(devices, cdi=cdi, endpoints=endpoints)
         time.sleep(0.06)  # a reload takes a file last changed 50 ms before
-        d = self.current
-        n = len(d.notify.messages)
-        d.send(signal.SIGHUP)
-        assert d.notify.wait_for("RELOADING", "1", timeout=10, after=n), d.log()
-        assert d.notify.wait_for("READY", "1", timeout=10, after=n), d.log()
+        notify = self.current.notify
+        n = len(notify.messages)
+        os.kill(self.main_pid, signal.SIGHUP)
+        assert notify.wait_for("RELOADING", "1", timeout=10, after=n), self.log()
+        assert notify.wait_for("READY", "1", timeout=10, after=n), self.log()
 
-    def wait_startup_done(self) -> None:
-        """The start's deferred work is done: it notes the installed files an upgrade compares."""
-        assert wait_until(lambda: "start-up done" in self.current.log(), 15), self.current.log()
+    def wait_startup_done(self, times: int = 1) -> None:
+        """The start's deferred work done `times` times in this log (a DEBUG line): the installed
+        files are noted, which a reload compares to tell an upgrade."""
+        assert wait_until(lambda: self.current.log().count("start-up done") >= times, 15), self.current.log()
 
     def upgrade(self) -> int:
         """The package manager's upgrade and postinst: a file of the installed package replaced by
@@ -111,12 +122,14 @@ class Atedevd:
         tmp = build.with_name("_build.py.dpkg-new")
         tmp.write_text(build.read_text() + "# upgraded\n")
         os.rename(tmp, build)
-        d = self.current
-        n = len(d.notify.messages)
-        d.send(signal.SIGHUP)
-        main = d.notify.wait_for("MAINPID", timeout=30, after=n)
-        assert main, d.log()
-        assert d.proc.wait(30) == 0, d.log()
+        notify = self.current.notify
+        n, old = len(notify.messages), self.main_pid
+        os.kill(old, signal.SIGHUP)
+        main = notify.wait_for("MAINPID", timeout=30, after=n)
+        assert main, self.log()
+        self._wait_gone(old)
+        if old == self.current.pid:
+            assert self.current.proc.returncode == 0, self.log()
         self.successor = int(main["fields"]["MAINPID"])
         return self.successor
 
@@ -124,9 +137,9 @@ class Atedevd:
         return "\n".join(d.log() for d in self.generations)
 
     def close(self) -> None:
-        if self.successor is not None and not _gone(self.successor):
+        if self.successor is not None and not gone(self.successor):
             os.kill(self.successor, signal.SIGKILL)
-            wait_until(lambda: _gone(self.successor), 10)
+            wait_until(lambda: gone(self.successor), 10)
         self.successor = None
         for d in self.generations:
             d.close()
