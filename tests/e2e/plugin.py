@@ -7,14 +7,18 @@ reload then hands over to the successor (docs/design.md, *Upgrades*).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import List, Optional
 
 from rig.harness import REPO, DaemonUnderTest, wait_until
+from tests.e2e import build
 
 KVM_TABLE = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
 
@@ -32,7 +36,7 @@ class Atedevd:
     """One node's atedevd across its processes: started, restarted, reloaded, upgraded."""
 
     def __init__(self, cluster, devices: str = KVM_TABLE, cdi: bool = False, endpoints: str = "per-resource",
-                 log_level: str = "info"):
+                 log_level: str = "info", daemon: str = ""):
         self.cluster = cluster
         self.work = cluster.root / "atedevd"
         self.work.mkdir(exist_ok=True)
@@ -43,13 +47,15 @@ class Atedevd:
         self.log_level = log_level
         self.generations: List[DaemonUnderTest] = []
         self.successor: Optional[int] = None  # an upgrade's successor: systemd's main process, not our child
+        self.daemon_extra = daemon  # more [daemon] keys, e.g. "device_specs = false"
         self.write_config(devices, cdi=cdi, endpoints=endpoints)
         cluster.on_stop(self.close)
 
     def write_config(self, devices: str, cdi: bool = False, endpoints: str = "per-resource") -> None:
         """The configuration, replaced whole (written beside, renamed over: as the docs ask)."""
         text = (f'[daemon]\ndevice_plugin_dir = "{self.cluster.plugin_dir}"\nkubelet_endpoints = "{endpoints}"\n'
-                f'metrics_dir = ""\ncdi = {str(cdi).lower()}\ncdi_spec_dir = "{self.cluster.cdi_dir}"\n\n{devices}')
+                f'metrics_dir = ""\ncdi = {str(cdi).lower()}\ncdi_spec_dir = "{self.cluster.cdi_dir}"\n'
+                f'{self.daemon_extra}\n\n{devices}')
         tmp = self.config.with_name("config.toml.new")
         tmp.write_text(text)
         os.chmod(tmp, 0o644)
@@ -132,6 +138,27 @@ class Atedevd:
             assert self.current.proc.returncode == 0, self.log()
         self.successor = int(main["fields"]["MAINPID"])
         return self.successor
+
+    def check(self) -> dict:
+        """`atedevd check --json` on the node, as an operator runs it: it reads containerd's
+        configuration where containerd keeps it, /etc/containerd/config.toml, so it runs in a mount
+        namespace of its own where /etc is an overlay holding the cluster's file there (the host's
+        /etc is not touched), with the cluster's containerd first in PATH (its version decides
+        the defaults)."""
+        etc = self.work / "check-etc"
+        (etc / "upper" / "containerd").mkdir(parents=True, exist_ok=True)
+        (etc / "work").mkdir(exist_ok=True)
+        shutil.copy(self.cluster.containerd_config, etc / "upper" / "containerd" / "config.toml")
+        containerd_dir = build.binary("containerd").parent
+        script = (f"mount -t overlay overlay -o lowerdir=/etc,upperdir={etc / 'upper'},workdir={etc / 'work'} /etc && "
+                  f"PATH={containerd_dir}:$PATH PYTHONPATH={self.site} exec {sys.executable} -m atedevd check --json "
+                  f"--config {self.config}")
+        run = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                             capture_output=True, text=True, timeout=60)
+        try:
+            return json.loads(run.stdout)
+        except ValueError:
+            raise AssertionError(f"check said no JSON (exit {run.returncode}): {run.stdout}{run.stderr}") from None
 
     def log(self) -> str:
         return "\n".join(d.log() for d in self.generations)

@@ -74,8 +74,11 @@ class PodsIntoWindow:
             if any(log.of(m, since, resource=(m != SERVER)) for m in self.trigger):
                 break
             time.sleep(0.001)
-        if self._stop.is_set():
-            return
+        if not self._stop.is_set():
+            self.send()
+
+    def send(self) -> None:
+        """The pods, now (what arm's thread does once the trigger is seen)."""
         for i in range(self.count):
             name = f"{self.tag}-{i}"
             at = time.time()
@@ -100,13 +103,19 @@ class PodsIntoWindow:
         return out
 
 
-def measure(cluster: Cluster, event: Callable[[], None], settled: Callable[[float], bool], tag: str,
+def measure(cluster: Cluster, event: Callable[..., None], settled: Callable[[float], bool], tag: str,
             pods: int = 3, gap: float = 0.01, trigger: Sequence[str] = (UNHEALTHY, STREAM_ENDED, SERVER),
-            settle_timeout: float = 60) -> EventRound:
-    """Run `event`, with pods put into its window, until `settled(since)`; what kubelet saw."""
+            settle_timeout: float = 60, send_in_event: bool = False) -> EventRound:
+    """Run `event`, with pods put into its window, until `settled(since)`; what kubelet saw.
+    send_in_event: the event is given the pods to send when it chooses (event(into))."""
     since = time.time()
-    into = PodsIntoWindow(cluster, tag, pods, gap, trigger).arm(since) if pods else None
-    event()
+    into = PodsIntoWindow(cluster, tag, pods, gap, trigger) if pods else None
+    if send_in_event:
+        event(into)
+    else:
+        if into:
+            into.arm(since)
+        event()
     wait_for(f"the node to settle after {tag}", lambda: settled(since), settle_timeout, 0.02)
     time.sleep(0.5)  # what kubelet does right after (a late teardown) is part of the event
     outcomes = into.outcomes(since) if into else []
