@@ -123,8 +123,8 @@ class KubeletLog:
         for mark in sorted(marks, key=lambda m: (m[0], m[1] != "down")):
             if mark[1] == "down" and opened is None:
                 opened = mark[0]
-            elif mark[1] == "up" and opened is not None:
-                spans.append((opened, max(opened, mark[2]), mark[0]))
+            elif mark[1] == "up" and opened is not None and mark[2] >= opened:
+                spans.append((opened, mark[2], mark[0]))
                 opened = None
         if opened is not None:
             spans.append((opened, float("inf"), float("inf")))

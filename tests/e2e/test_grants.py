@@ -63,7 +63,7 @@ def test_pods_of_every_kind_get_what_the_node_allows(node, cluster, figure):
         if expected == "ok":
             assert got["ioctl"] == 12, (name, got)
     # The Deployment's pod keeps running, with its unit.
-    dep = w.pods_of(cluster.api, "root-deployment")[0]
-    assert pod_phase(dep) == "Running", dep.get("status")
+    dep = wait_for("the Deployment's pod Running", lambda: [p for p in w.pods_of(cluster.api, "root-deployment")
+                                                             if pod_phase(p) == "Running"], 60, 0.2)[0]
     assert dep["metadata"]["name"] in podresources.assigned(cluster.kubelet_root, w.RESOURCE)
     figure("; ".join(rows))
