@@ -10,7 +10,7 @@ import json
 import ssl
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 
 class ApiError(RuntimeError):
@@ -113,7 +113,3 @@ def rejected(pod: dict) -> bool:
     """Failed at kubelet's admission because the device manager could not allocate."""
     st = pod.get("status", {})
     return st.get("phase") == "Failed" and st.get("reason") == "UnexpectedAdmissionError"
-
-
-def labels(obj: dict) -> Dict[str, str]:
-    return obj.get("metadata", {}).get("labels", {}) or {}

@@ -405,16 +405,6 @@ class Cluster:
             self.procs[proc.name] = proc
             self.end(proc.name, sig)
 
-    def kubelet_lines(self) -> List[str]:
-        """Every kubelet log of this cluster, oldest first (one file per kubelet start)."""
-        lines: List[str] = []
-        for i in range(1, self._kubelet_starts + 1):
-            try:
-                lines += (self.logs / f"kubelet-{i}.log").read_text(errors="replace").splitlines()
-            except OSError:
-                pass
-        return lines
-
     def klog(self, resource: str = "ate.dev/kvm") -> KubeletLog:
         """kubelet's device manager lines so far, across its restarts."""
         return KubeletLog(self._follower.lines(), resource)

@@ -20,7 +20,7 @@ from tests.e2e import build
 from tests.e2e.api import wait_for
 from tests.e2e.cluster import Cluster
 from tests.e2e.plugin import Atedevd, gone
-from tests.e2e.workloads import PODS, RESOURCE
+from tests.e2e.workloads import RESOURCE
 
 FIGURES: Dict[str, List[str]] = {}
 
@@ -141,8 +141,3 @@ def cluster_healthy(cluster: Cluster, since: float = 0.0) -> bool:
     log = cluster.klog()
     windows = log.windows()
     return bool(log.healthy_lists(since)) and (not windows or windows[-1][2] != float("inf"))
-
-
-@pytest.fixture
-def pods_path() -> str:
-    return PODS

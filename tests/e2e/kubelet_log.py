@@ -105,7 +105,11 @@ class KubeletLog:
         (its checkpoint brings the resource back with no healthy unit), or with a list of no
         healthy unit. It closes when kubelet receives a list with healthy units ("State pushed":
         a pod taken in from then on is allocated from it) and is settled once kubelet says it
-        processed that list; between the two a pod may fall either way."""
+        processed that list; between the two a pod may fall either way. Only a list from a
+        registration that came after the window opened closes it: on kubelet 1.32-1.36 an older
+        stream's teardown, by name, takes a newer client down and stops its endpoint, and a list
+        that client had sent is then logged as processed, healthy, while every pod is rejected ("no
+        healthy devices", or "endpoint ... has been stopped") until the plugin registers again."""
         ended = [ln.at for ln in self.of(STREAM_ENDED, since, until)]
         marks = []
         for ln in self.of(UNHEALTHY, since, until):
@@ -113,6 +117,7 @@ class KubeletLog:
             marks.append((before[-1] if before else ln.at, "down"))
         marks += [(ln.at, "down") for ln in self.of(SERVER, since, until, resource=False)]
         pushed = [ln.at for ln in self.of(PUSHED, since, until)]
+        registered = [ln.at for ln in self.of(REGISTER, since, until)]
         for ln in self.of(PROCESSED, since, until):
             if int(ln.kv.get("healthyCount", "0")) > 0:
                 before = [t for t in pushed if ln.at - 1.0 <= t <= ln.at]
@@ -123,7 +128,7 @@ class KubeletLog:
         for mark in sorted(marks, key=lambda m: (m[0], m[1] != "down")):
             if mark[1] == "down" and opened is None:
                 opened = mark[0]
-            elif mark[1] == "up" and opened is not None and mark[2] >= opened:
+            elif mark[1] == "up" and opened is not None and any(opened <= r <= mark[2] for r in registered):
                 spans.append((opened, mark[2], mark[0]))
                 opened = None
         if opened is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tests.e2e import podresources, workloads as w
 from tests.e2e.api import pod_phase, wait_for
 from tests.e2e.cluster import KVM_GID
-from tests.e2e.kubelet_log import PROCESSED, PUSHED, REGISTER, ms
+from tests.e2e.kubelet_log import PUSHED, REGISTER, ms
 
 
 def test_registration_and_pod_resources_agree(node, cluster, figure):

@@ -110,8 +110,3 @@ def wait_probed(api: Api, pod_logs: Path, name: str, timeout: float = 120) -> di
 
 def pods_of(api: Api, label: str) -> List[dict]:
     return api.items(PODS, f"e2e={label}")
-
-
-def admission_message(pod_obj: dict) -> str:
-    st = pod_obj.get("status", {})
-    return f"{st.get('reason', '')}: {st.get('message', '')}"
