@@ -2,7 +2,7 @@
 PYTHON ?= /usr/bin/python3
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: deps demo check e2e-build typecheck test test-latest bench bench-lifecycle bench-units bench-upgrade bench-boot bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
+.PHONY: deps demo check e2e-build e2e typecheck test test-latest bench bench-lifecycle bench-units bench-upgrade bench-boot bench-registration sim proto proto-check deb rpm deb-source rpm-source deb-bundled rpm-bundled clean
 
 # Test files run in parallel by `make check` and `make test` (python3-pytest-xdist, one of
 # `make deps`; without it they run one after the other).
@@ -37,17 +37,26 @@ test: deps typecheck
 	packaging/latest-venv .venv-latest
 	@log=$$(mktemp); $(LATEST_PYTEST) >$$log 2>&1 & latest=$$!; \
 	echo "$(PYTHON) -m pytest ... tests  (and $(LATEST_PYTEST) beside it)"; \
-	$(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) --durations=25 --ignore=tests/systemd/test_boot.py tests; main=$$?; \
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) --durations=25 --ignore=tests/systemd/test_boot.py --ignore=tests/e2e tests; main=$$?; \
 	wait $$latest; rc=$$?; echo "--- the core on the newest grpcio and protobuf, run beside the suite:"; cat $$log; rm -f $$log; \
 	[ $$main -eq 0 ] && [ $$rc -eq 0 ]
 	$(PYTHON) -m pytest -q -p no:cacheprovider -s tests/systemd/test_boot.py
 
 # The real Kubernetes binaries the end-to-end suite runs (kubelet per minor in KUBE, the 1.37
-# control plane, etcd, containerd 2, runc, crictl), built from the Go module proxy into
-# /var/cache/atedevd-e2e (ATEDEVD_E2E_CACHE) and reused there: ~22 minutes cold, a second warm.
+# control plane every kubelet runs against, etcd, containerd 2 and ctr, runc, crictl), built from
+# the Go module proxy into /var/cache/atedevd-e2e (ATEDEVD_E2E_CACHE) and reused there: ~22
+# minutes cold, a second warm.
 KUBE ?= 1.32 1.33 1.34 1.35 1.36 1.37
+E2E_CONTROL_PLANE := 1.37
 e2e-build:
-	$(PYTHON) -m tests.e2e.build --kube $(KUBE)
+	$(PYTHON) -m tests.e2e.build --kube $(KUBE) $(E2E_CONTROL_PLANE)
+
+# The end-to-end suite (tests/e2e, root): for each kubelet minor in KUBE, one real cluster on this
+# machine (tests/e2e/cluster.py) and atedevd from this checkout on its node; each test prints its
+# figure, repeated by version at the end. Not part of `make test` (CI builds nothing from the network).
+e2e: deps e2e-build
+	@command -v openssl >/dev/null && command -v ip >/dev/null || { apt-get update -qq && apt-get install -y -qq openssl iproute2; }
+	ATEDEVD_E2E_KUBE='$(KUBE)' $(PYTHON) -m pytest -q -p no:cacheprovider -s -rs --durations=0 tests/e2e
 
 # mypy over the package for the oldest and the newest Python it claims (3.9, 3.13): a venv of
 # pinned mypy from PyPI, made once (packaging/typecheck; settings in mypy.ini).

@@ -82,7 +82,7 @@ ETCD = Component(
 CONTAINERD = Component(
     "containerd", "github.com/containerd/containerd/v2", "2", "v2.4.2",
     tuple(Program(n, f"github.com/containerd/containerd/v2/cmd/{n}", tags=("no_btrfs",))
-          for n in ("containerd", "containerd-shim-runc-v2")),
+          for n in ("containerd", "containerd-shim-runc-v2", "ctr")),
     lambda v: [f"-X github.com/containerd/containerd/v2/version.Version={v}"])
 # runc needs cgo (nsenter, libseccomp-dev). Its Makefile's libpathrs tag would link a Rust
 # library Debian 12 does not have; without it runc uses its Go pathrs-lite.
