@@ -134,7 +134,10 @@ def _major(version: Optional[str]) -> Optional[int]:
 
 def _containerd(data: dict, path: str, version: Optional[str], problems: List[str]) -> Runtime:
     plugins = _table(data, "plugins", path, problems)
-    three = data.get("version") == 3  # containerd 2.x's own format (2.x reads version 2 too)
+    # containerd 2.x's own formats, 3 and (2.4 on) 4, keep the CRI runtime's settings in one place;
+    # 2.x reads version 2 too. (Read as 2, a version-4 file's enable_cdi = false would go unseen.)
+    given = data.get("version")
+    three = isinstance(given, int) and not isinstance(given, bool) and given >= 3
     cri = _table(plugins, "io.containerd.cri.v1.runtime" if three else "io.containerd.grpc.v1.cri", path, problems)
     said = cdi = _value(cri, "enable_cdi", bool, path, problems)
     if cdi is None:  # off in 1.x unless said, on in 2.x unless said

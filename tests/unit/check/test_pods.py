@@ -66,6 +66,11 @@ def test_the_runtimes_own_settings_decide_the_cdi_and_non_root_rows(node, tmp_pa
     code, doc = as_json(cfg, found)
     cdi = pods(doc)["non-root-cdi"]
     assert (cdi["opens"], cdi["fix"]) == ("no", f"enable_cdi = true in {root}/etc/containerd/config.toml, then restart containerd")
+    # containerd 2.4's `config default` writes version 4, the CRI runtime's table where version 3 has it
+    write(root / "etc/containerd/config.toml", "version = 4\n[plugins.'io.containerd.cri.v1.runtime']\nenable_cdi = false\n")
+    found = runtimes.read(str(root), containerd_version="2.4.2")
+    assert [(r.cdi, r.enable_cdi) for r in found] == [(False, False)], found
+    assert pods(as_json(cfg, found)[1])["non-root-cdi"]["opens"] == "no"
     write(root / "etc/containerd/config.toml", 'version = 3\n[plugins."io.containerd.cri.v1.runtime"]\n'
           'device_ownership_from_security_context = true\ncdi_spec_dirs = ["/etc/cdi"]\n')
     write(root / "etc/crio/crio.conf.d/10-crun.conf", '[crio.runtime]\ndefault_runtime = "crun"\n')
