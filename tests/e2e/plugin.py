@@ -35,7 +35,7 @@ def gone(pid: int) -> bool:
 class Atedevd:
     """One node's atedevd across its processes: started, restarted, reloaded, upgraded."""
 
-    def __init__(self, cluster, devices: str = KVM_TABLE, cdi: bool = False, endpoints: str = "per-resource",
+    def __init__(self, cluster, devices: str = KVM_TABLE, cdi: bool = False, endpoints: Optional[str] = None,
                  log_level: str = "info", daemon: str = ""):
         self.cluster = cluster
         self.work = cluster.root / "atedevd"
@@ -51,9 +51,11 @@ class Atedevd:
         self.write_config(devices, cdi=cdi, endpoints=endpoints)
         cluster.on_stop(self.close)
 
-    def write_config(self, devices: str, cdi: bool = False, endpoints: str = "per-resource") -> None:
-        """The configuration, replaced whole (written beside, renamed over: as the docs ask)."""
-        text = (f'[daemon]\ndevice_plugin_dir = "{self.cluster.plugin_dir}"\nkubelet_endpoints = "{endpoints}"\n'
+    def write_config(self, devices: str, cdi: bool = False, endpoints: Optional[str] = None) -> None:
+        """The configuration, replaced whole (written beside, renamed over: as the docs ask);
+        `kubelet_endpoints` left to its default ("auto") unless `endpoints` names it."""
+        chosen = f'kubelet_endpoints = "{endpoints}"\n' if endpoints else ""
+        text = (f'[daemon]\ndevice_plugin_dir = "{self.cluster.plugin_dir}"\n{chosen}'
                 f'metrics_dir = ""\ncdi = {str(cdi).lower()}\ncdi_spec_dir = "{self.cluster.cdi_dir}"\n'
                 f'{self.daemon_extra}\n\n{devices}')
         tmp = self.config.with_name("config.toml.new")
@@ -106,7 +108,7 @@ class Atedevd:
         self.stop(sig)
         return self.start(wait=False)
 
-    def reload(self, devices: str, cdi: bool = False, endpoints: str = "per-resource") -> None:
+    def reload(self, devices: str, cdi: bool = False, endpoints: Optional[str] = None) -> None:
         """`systemctl reload`: the file replaced, SIGHUP, RELOADING=1 then READY=1."""
         self.write_config(devices, cdi=cdi, endpoints=endpoints)
         time.sleep(0.06)  # a reload takes a file last changed 50 ms before

@@ -86,12 +86,13 @@ def test_a_reload_that_changes_the_count(start_atedevd, cluster, figure, before,
     assert_a_pod_gets_the_device(cluster, f"reload-{before}-{after}")
 
 
-@pytest.mark.parametrize("endpoints", ["per-resource", "per-socket"])
+@pytest.mark.parametrize("endpoints", ["auto", "per-resource", "per-socket"])
 def test_an_upgrade_handover(start_atedevd, cluster, figure, endpoints):
     """A package upgrade (a file of the installed package renamed over, then a reload): the
     successor registers once kubelet let go of us (per-resource) or beside us (per-socket). On a
-    kubelet that keeps a client per socket, per-socket leaves no window."""
-    a = start_atedevd(endpoints=endpoints, log_level="debug")
+    kubelet that keeps a client per socket, per-socket leaves no window; the default, "auto",
+    reads the kubelet's version and goes beside it exactly where kubelet keeps a client per socket."""
+    a = start_atedevd(endpoints=None if endpoints == "auto" else endpoints, log_level="debug")
     rounds = []
     for i in range(ROUNDS):
         a.wait_startup_done(times=i + 1)
@@ -102,7 +103,11 @@ def test_an_upgrade_handover(start_atedevd, cluster, figure, endpoints):
         assert r.registers >= 1, r.registers
         assert r.window_s < 3, r.windows
     check_pods(rounds)
-    if endpoints == "per-socket" and per_socket(cluster):
+    if endpoints == "auto":
+        beside = "beside us (kubelet tracks endpoints per socket" in a.log()
+        assert f"; kubelet {cluster.kubelet_version}, the program of PID " in a.log(), a.log()
+        assert beside == per_socket(cluster), (beside, a.log())
+    if endpoints in ("auto", "per-socket") and per_socket(cluster):
         assert all(not r.windows for r in rounds), [r.windows for r in rounds]
         assert all(r.registers == 1 for r in rounds), [r.registers for r in rounds]
     assert_a_pod_gets_the_device(cluster, f"upgrade-{endpoints}")
