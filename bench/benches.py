@@ -113,7 +113,7 @@ def rereg(quick: bool) -> List[Row]:
     return rows
 
 
-def handover(quick: bool) -> List[Row]:
+def let_go(quick: bool) -> List[Row]:
     """The same kubelet stays up and ends our stream: the new Register waits until kubelet
     has let go of the old socket. Measured after a stable registration (> 2 s), per version."""
     n = 5 if quick else 20
@@ -136,8 +136,8 @@ def handover(quick: bool) -> List[Row]:
                     arrive.append(k.arrivals[0] - dropped)
                     healthy.append(k.healthy_at[0] - dropped)
         rows += [
-            ("handover", f"kubelet ends our stream -> new Register arrives (kubelet {mode}), p50/p99/max of {n}", _p(arrive), "p99 <= 100 ms", verdict(percentile(arrive, 99) <= 0.1)),
-            ("handover", f"kubelet ends our stream -> 1024 healthy again (kubelet {mode})", _p(healthy), "", ""),
+            ("let-go", f"kubelet ends our stream -> new Register arrives (kubelet {mode}), p50/p99/max of {n}", _p(arrive), "p99 <= 100 ms", verdict(percentile(arrive, 99) <= 0.1)),
+            ("let-go", f"kubelet ends our stream -> 1024 healthy again (kubelet {mode})", _p(healthy), "", ""),
         ]
     return rows
 
@@ -376,7 +376,7 @@ def boot(quick: bool, rounds: Optional[int] = None) -> List[Row]:
 BENCHES = {
     "startup": startup,
     "rereg": rereg,
-    "handover": handover,
+    "let-go": let_go,
     "race": race,
     "allocate": allocate,
     "health": health,

@@ -167,7 +167,7 @@ class Lifecycle:
         d.send(signal.SIGHUP)
         main = d.notify.wait_for("MAINPID", timeout=30, after=after)
         if main is None or d.wait(30) != 0:
-            raise RuntimeError(f"no handover to a successor; log:\n{d.log()[-3000:]}")
+            raise RuntimeError(f"no upgrade to a successor; log:\n{d.log()[-3000:]}")
         self.successor = int(main["fields"]["MAINPID"])
 
     def after_upgrade(self) -> None:
@@ -259,7 +259,7 @@ class Lifecycle:
         steps = {}
         if event == "reload-upgrade":
             self.after_upgrade()
-            # Where a handover's window goes: our streams' end -> the new one's Register (ours:
+            # Where an upgrade's window goes: our streams' end -> the new one's Register (ours:
             # the let-go wait, GO, its Register), then the Register -> admitted (the stand-in's
             # dial-back and stream, which a Go kubelet does faster).
             marks = list(self.log.transitions)

@@ -53,7 +53,7 @@ def mknod(path):
 def own_listener_listed():
     """Bind a socket in a subdirectory of the plugin dir, rename it into place (as the standby
     is), accept a connection and find it in /proc/self/net/unix under its bind path: what the
-    handover reads to know that kubelet let go of an old socket."""
+    let-go wait reads to know that kubelet let go of an old socket."""
     sub = os.path.join(PLUGIN_DIR, ".atedevd-probe")
     os.makedirs(sub, exist_ok=True)
     bound, placed = os.path.join(sub, "p.sock"), os.path.join(PLUGIN_DIR, "atedevd-probe.sock")

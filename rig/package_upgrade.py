@@ -116,7 +116,7 @@ def _unit_times(node: Container) -> dict:
     return {k: int(v) / 1e6 for k, v in node.show("atedevd", *props).items()}
 
 
-# atedevd's and systemd's journal lines that mark a handover's steps: (start of the message, label)
+# atedevd's and systemd's journal lines that mark an upgrade's steps: (start of the message, label)
 JOURNAL_STEPS = (("Reloading atedevd", "systemd: reload begins (the postinst's systemctl reload)"),
                  ("upgrade: the installed atedevd", "atedevd: the old one finds the upgrade, starts the new one"),
                  ("took over as systemd's main process", "atedevd: the new one is main (MAINPID=)"),
@@ -126,7 +126,7 @@ JOURNAL_STEPS = (("Reloading atedevd", "systemd: reload begins (the postinst's s
 
 
 def _journal_steps(node: Container, cursor: str) -> List[Tuple[float, str]]:
-    """The handover's (or a restart's) steps from the journal, on the monotonic clock: the
+    """The upgrade's (or a restart's) steps from the journal, on the monotonic clock: the
     container's clock is the host's."""
     out = node.run("journalctl", "--no-pager", "-u", "atedevd", f"--after-cursor={cursor}", "-o", "json",
                    "--output-fields=MESSAGE,__MONOTONIC_TIMESTAMP", check=False).stdout

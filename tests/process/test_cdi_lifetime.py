@@ -136,7 +136,7 @@ def test_every_name_answered_resolves_through_hot_plug_reloads_an_upgrade_and_a_
         watch.check("after the reload")
 
         assert wait_until(lambda: "start-up done" in d.log(), 5), d.log()
-        upgrade(installed)  # the handover: two daemons write the spec in turn
+        upgrade(installed)  # the upgrade: two daemons write the spec in turn
         n = hup(d)
         main = d.notify.wait_for("MAINPID", timeout=15, after=n)
         assert main, d.log()

@@ -225,8 +225,8 @@ def test_optional_rpcs_answer_sensibly(daemon, plugin_dir):
 
 
 def test_several_concurrent_streams_and_one_failing_does_not_stop_the_server(daemon, kubelet, plugin_dir):
-    """Besides kubelet's stream, each resource has room for two more (a handover,
-    a debugging client); one failing client does not stop the server."""
+    """Besides kubelet's stream, each resource has room for two more (an upgrade's
+    successor, a debugging client); one failing client does not stop the server."""
     channels = [plugin_stub(plugin_dir) for _ in range(STREAMS_PER_RESOURCE - 1)]
     streams = [stub.ListAndWatch(pb.Empty()) for _, stub in channels]
     firsts = [next(s) for s in streams]
@@ -453,7 +453,7 @@ def test_failing_after_a_registration_is_a_warning_with_the_reason_in_status(dae
 
 def test_worker_threads_start_with_the_first_registers_and_re_registrations_add_none():
     """No worker thread before a Register; each first Register starts what kubelet's calls after
-    it need; re-registrations (kubelet restarts, handovers: any number) start none."""
+    it need; re-registrations (kubelet restarts, upgrades: any number) start none."""
     from atedevd.kubelet.plugin import PRESTARTED_WORKERS, STREAMS_PER_RESOURCE, UNARY_WORKERS, Workers
 
     w = Workers(2, start_now=0)

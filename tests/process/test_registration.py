@@ -334,10 +334,10 @@ def test_kubelet_silently_stops_counting_us_is_caught_through_pod_resources(star
         k.close()
 
 
-# --- the handover waits for kubelet to let go, and the loop never blocks meanwhile ---------------
+# --- the let-go wait waits for kubelet, and the loop never blocks meanwhile ---------------
 
 
-def test_handover_waits_for_the_old_socket_while_the_loop_serves_other_resources(start_daemon, kubelet, plugin_dir, dev_root, tmp_path, rng):
+def test_the_let_go_wait_waits_for_the_old_socket_while_the_loop_serves_other_resources(start_daemon, kubelet, plugin_dir, dev_root, tmp_path, rng):
     """kubelet ends kvm's stream while a stranger still holds a connection to kvm's socket: the
     new Register must wait until that socket is let go (kubelet <= 1.36 would otherwise confuse
     the old teardown with the new registration), and while it waits the loop keeps serving:
@@ -356,7 +356,7 @@ def test_handover_waits_for_the_old_socket_while_the_loop_serves_other_resources
         m = kubelet.mark()
         kubelet.drop(RESOURCE)
         assert kubelet.wait(lambda: not kubelet.live_streams(RESOURCE), 10)
-        os.unlink(os.path.join(dev_root, "vhost-net"))  # while kvm's handover waits
+        os.unlink(os.path.join(dev_root, "vhost-net"))  # while kvm's let-go wait waits
         assert kubelet.wait(lambda: kubelet.allocatable("ate.dev/vhost-net") == 0, 10), d.log()
         assert not [c for c in kubelet.register_calls[m:] if c["resource"] == RESOURCE], "registered before the old socket was let go"
     finally:

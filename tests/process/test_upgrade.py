@@ -89,7 +89,7 @@ def test_an_upgrade_is_handed_to_the_new_atedevd(start_daemon, kubelet, installe
     assert "took over as systemd's main process" in log and LINE not in log
     assert not [line for line in log.splitlines() if " WARNING " in line or " ERROR " in line], log
     # The successor is ready as soon as its sockets are bound (not at its start's deferred
-    # work, 0.5 s later), and neither side polls pod-resources through the handover (the old
+    # work, 0.5 s later), and neither side polls pod-resources through the upgrade (the old
     # one's exit waits for no listing: what kubelet lists is the new one's).
     new = log[log.index("upgrade: the installed atedevd"):]
     assert new.index("registering (an upgrade") < new.index("start-up done"), new

@@ -165,7 +165,7 @@ def test_deb_maintainer_scripts_enable_start_reload_and_stop_the_unit(deb):
 def test_deb_upgrade_reloads_a_running_daemon_and_restarts_it_only_for_a_changed_unit(deb, tmp_path, unit_changed,
                                                                                   expected):
     """The postinst, run as dpkg runs it on an upgrade, with systemctl and deb-systemd-invoke
-    stubbed: the running unit is reloaded (the handover to the new code), or restarted when its
+    stubbed: the running unit is reloaded (the upgrade to the new code), or restarted when its
     unit file changed (a new sandbox applies only to a process systemd starts)."""
     path, _ = deb
     root = tmp_path / "root"
@@ -336,7 +336,7 @@ def test_rpm_erase_removes_our_cdi_specs_only(rpm):
 @pytest.mark.parametrize("unit_changed, expected", [(False, "reload"), (True, "try-restart")])
 def test_rpm_upgrade_reloads_a_running_daemon_and_restarts_it_only_for_a_changed_unit(rpm, tmp_path, unit_changed,
                                                                                    expected):
-    """%pre keeps the unit file as it was; %posttrans reloads the running unit (the handover to
+    """%pre keeps the unit file as it was; %posttrans reloads the running unit (the upgrade to
     the new code), or restarts it when the unit file changed."""
     scripts = scriptlets(rpm)
     unit = tmp_path / "atedevd.service"

@@ -505,17 +505,17 @@ def test_custom_kubelet_root_needs_the_drop_in_that_check_prints(clean):
 
 def test_the_let_go_wait_sees_kubelets_connection_from_inside_the_sandbox(clean):
     """kubelet (the stand-in, its own unit) is outside atedevd's sandbox (PrivateNetwork=): the
-    handover must still see kubelet's connection to our old socket, and its closing."""
+    let-go wait must still see kubelet's connection to our old socket, and its closing."""
     node = clean
     dropin(node, "debug", "[Service]\nExecStart=\nExecStart=/usr/bin/atedevd run --log-level debug\n")
     state = start_and_register(node)
     texts = []
     # The stand-in, like Go's kubelet, closes within a millisecond of our streams' end, so the
     # first count may already find 0 (found by CI: 1 run in 5). A count that cannot see across
-    # the sandbox finds 0 every time: one of five handovers must see kubelet's connection.
+    # the sandbox finds 0 every time: one of five let-go waits must see kubelet's connection.
     for _ in range(5):
         cur = cursor(node)
-        node.run("rm", f"{PLUGIN_DIR}/{state['endpoint']}")  # our socket deleted: a handover, kubelet stays up
+        node.run("rm", f"{PLUGIN_DIR}/{state['endpoint']}")  # our socket deleted: a re-registration, kubelet stays up
         state = wait_registered(node, state["registrations"] + 1)
         text = wait_journal(node, cur, lambda s: "kubelet let go of our old socket" in s, "the let-go wait's end", "-o", "cat")
         assert re.search(r"kubelet let go of our old socket after \d+ ms \(confirm, \d+ count", text), text
@@ -523,4 +523,4 @@ def test_the_let_go_wait_sees_kubelets_connection_from_inside_the_sandbox(clean)
         if re.search(r"kubelet holds [1-9]\d* connection\(s\) to our old socket", text):
             break
     else:
-        raise AssertionError("in no handover did the count see kubelet's connection:\n" + "\n".join(texts))
+        raise AssertionError("in no let-go wait did the count see kubelet's connection:\n" + "\n".join(texts))

@@ -1,5 +1,5 @@
 """CDI names and spec documents (atedevd/cdi/names.py), and one resource's spec as decisions without
-I/O (atedevd/cdi/book.py): what is written, what may be answered, what a handover adopts."""
+I/O (atedevd/cdi/book.py): what is written, what may be answered, what an upgrade's successor adopts."""
 
 import os
 
@@ -70,7 +70,7 @@ def test_a_name_stays_in_the_spec_and_is_answerable_only_as_written():
     assert book.ever_answerable == {"ttyUSB0", "ttyUSB1"}
 
 
-def test_a_handover_adopts_the_other_daemons_devices():
+def test_an_upgrades_successor_adopts_the_other_daemons_devices():
     book = cdi_book.SpecBook(KVM)
     book.offer({"kvm": (NodeGrant("/dev/kvm", 10, 232),)}, cdi.Settings())
     theirs = {"cdiVersion": "0.3.0", "kind": KVM, "devices": [

@@ -294,7 +294,7 @@ def test_a_predecessor_handed_off_stops_at_once():
     assert reg.state is State.STOPPED and reg.book.standby is None
 
 
-def test_a_predecessor_still_streaming_exits_after_the_handover_without_a_let_go_wait():
+def test_a_predecessor_still_streaming_exits_after_the_upgrade_without_a_let_go_wait():
     """kubelet tracks endpoints per socket: the successor registered beside us, and what
     kubelet lists is its; a let-go wait would only poll pod-resources for its limit."""
     reg = registered()
