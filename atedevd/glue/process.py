@@ -146,8 +146,8 @@ class Process:
         overlap, why = upgrade_beside(self.cfg.kubelet_endpoints if self.cfg is not None else "auto", kubelet)
         self.predecessor = Predecessor(overlap, now)
         self._out.append(Say(INFO, "upgrade", "upgrade: the installed atedevd is not the one running; started it to hand "
-                                              "over to, " + ("beside us (kubelet tracks endpoints per socket" if overlap
-                                                             else "once kubelet has let go of us (") + f"; {why})"))
+                                              "over to, " + ("beside us (kubelet tracks endpoints per socket; " if overlap
+                                                             else "once kubelet has let go of us (") + f"{why})"))
         return self._take()
 
     def successor_failed(self, now: float, error: str) -> List[ProcessAction]:

@@ -23,6 +23,7 @@ import os
 import re
 import socket
 import struct
+import time
 from typing import Optional, Tuple
 
 from atedevd.record import Record
@@ -122,13 +123,17 @@ def program_of(pid: int, proc: str = "/proc") -> Tuple[Optional[str], str]:
 
 
 def _started_at(pid: int, proc: str) -> float:
-    """When `pid` started, on the wall clock (its stat's start time after boot, and the boot's time)."""
+    """When `pid` started, on the wall clock: its stat's start time after boot, plus the boot's
+    time from the clocks (the unit's ProcSubset=pid hides /proc/stat and its btime)."""
     with open(os.path.join(proc, str(pid), "stat"), "rb") as f:
         fields = f.read().rsplit(b")", 1)[1].split()  # (the name in parentheses may hold anything)
     ticks = int(fields[19])  # field 22, starttime, counted from the state (field 3)
-    with open(os.path.join(proc, "stat"), "rb") as f:
-        btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-    return btime + ticks / os.sysconf("SC_CLK_TCK")
+    return boot_time() + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def boot_time() -> float:
+    """The wall clock's time at boot, as /proc/stat's btime is made."""
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 def kubernetes_version(path: str) -> Optional[str]:

@@ -13,7 +13,7 @@ from tests.e2e import workloads as w
 from tests.e2e.api import wait_for
 from tests.e2e.conftest import cluster_healthy, clean_pods
 from tests.e2e.kubelet_log import PROCESSED, PUSHED, REGISTERED, spread
-from tests.e2e.window import check_pods, measure, summary
+from tests.e2e.window import cell, check_pods, measure, summary
 
 ROUNDS = int(os.environ.get("ATEDEVD_E2E_ROUNDS", "3"))
 
@@ -44,7 +44,8 @@ def test_a_restart_of_atedevd(node, cluster, figure, sig):
                               f"{'term' if sig == signal.SIGTERM else 'kill'}{i}", pods=3, gap=0.03))
         node.current.wait_ready(30)
         clean_pods(cluster)
-    figure(summary(rounds))
+    figure(summary(rounds), f"atedevd {'restarted (SIGTERM)' if sig == signal.SIGTERM else 'killed (-9), restarted'}: "
+                            "window, pods rejected", cell(rounds))
     for r in rounds:
         assert len(r.windows) == 1 and 0 < r.window_s < 3, r.windows
         assert r.registers == 1, r.registers
@@ -79,7 +80,8 @@ def test_a_reload_that_changes_the_count(start_atedevd, cluster, figure, before,
         pushed = [ln for ln in log.of(PUSHED, r.since, done.at)][-1]
         processing.append(done.at - pushed.at)
         clean_pods(cluster)
-    figure(f"{before} -> {after}: {summary(rounds)}; kubelet's list of {after} processed in {spread(processing)}")
+    figure(f"{before} -> {after}: {summary(rounds)}; kubelet's list of {after} processed in {spread(processing)}",
+           f"reload, count {before} -> {after}", cell(rounds))
     for r in rounds:
         assert not r.windows and r.registers == 0, (r.windows, r.registers)
         assert not any(p.rejected for p in r.pods), r.pods
@@ -87,7 +89,7 @@ def test_a_reload_that_changes_the_count(start_atedevd, cluster, figure, before,
 
 
 @pytest.mark.parametrize("endpoints", ["auto", "per-resource", "per-socket"])
-def test_an_upgrade_handover(start_atedevd, cluster, figure, endpoints):
+def test_an_upgrade(start_atedevd, cluster, figure, endpoints):
     """A package upgrade (a file of the installed package renamed over, then a reload): the
     successor registers once kubelet let go of us (per-resource) or beside us (per-socket). On a
     kubelet that keeps a client per socket, per-socket leaves no window; the default, "auto",
@@ -98,7 +100,8 @@ def test_an_upgrade_handover(start_atedevd, cluster, figure, endpoints):
         a.wait_startup_done(times=i + 1)
         rounds.append(measure(cluster, a.upgrade, lambda t: cluster_healthy(cluster, t), f"up{i}", pods=3, gap=0.005))
         clean_pods(cluster)
-    figure(f"{endpoints}: {summary(rounds)}")
+    figure(f"{endpoints}: {summary(rounds)}", f"upgrade, kubelet_endpoints = {endpoints}"
+           + (" (the default)" if endpoints == "auto" else ""), cell(rounds))
     for r in rounds:
         assert r.registers >= 1, r.registers
         assert r.window_s < 3, r.windows

@@ -194,7 +194,10 @@ def test_deb_upgrade_with_kubelet_outside_the_unit_registers_once_and_leaves_not
     systemd, kubelet (the stand-in, 1.32's device manager) in a unit of its own recording
     admission throughout: exactly one Register, the new process registered, healthy, counted by
     kubelet (pod-resources, read back by the daemon), the old process and its sockets gone, no
-    warning in the journal. How long kubelet rejected meanwhile is bench.upgrade's figure."""
+    warning in the journal. How long kubelet rejected meanwhile is bench.upgrade's figure.
+    And from inside its sandbox the daemon saw the process behind kubelet.sock and read its
+    program (the stand-in's is Python, which names no Kubernetes version): on a real kubelet
+    that is where its version comes from (`kubelet_endpoints = "auto"`)."""
     _, built = debs
     with Container(cached_rootfs(clean("bookworm"))) as node:
         install_test_helpers(node)
@@ -203,9 +206,13 @@ def test_deb_upgrade_with_kubelet_outside_the_unit_registers_once_and_leaves_not
         apt_install(node, built[1])
         start_kubelet(node, "1.32")
         r = upgrade(node, built[2])
+        said = [line for line in node.journal("-u", "atedevd", "-o", "cat").splitlines()
+                if line.startswith("upgrade: the installed atedevd")]
     print_timeline(r)
     assert not r["problems"], "\n".join(r["problems"])
     assert (r["registers"], r["accepted"]) == (1, 1), r
+    assert len(said) == 1 and "kubelet's version unknown: " in said[0], said
+    assert "names no Kubernetes version in its build information" in said[0], said
 
 
 @pytest.fixture(scope="module")

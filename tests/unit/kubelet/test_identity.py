@@ -86,28 +86,27 @@ def test_the_listener_is_the_process_that_listens_and_nobody_is_none(tmp_path):
         s.close()
 
 
-def fake_proc(tmp_path, pid, argv0, started_after_boot_s, boot=1_000_000):
-    """A /proc with one process: its command line and start time, and the boot's time."""
+def fake_proc(tmp_path, pid, argv0, started_at):
+    """A /proc with one process: its command line and its start time (given on the wall clock;
+    /proc/PID/stat counts it from the boot). No /proc/stat: the unit's ProcSubset=pid hides it."""
     proc = tmp_path / "proc"
     (proc / str(pid)).mkdir(parents=True)
     (proc / str(pid) / "cmdline").write_bytes(argv0.encode() + b"\0--config\0/x\0")
-    ticks = int(started_after_boot_s * os.sysconf("SC_CLK_TCK"))
+    ticks = round((started_at - identity.boot_time()) * os.sysconf("SC_CLK_TCK"))
     fields = ["S"] + ["0"] * 18 + [str(ticks)] + ["0"] * 10
     (proc / str(pid) / "stat").write_text(f"{pid} (kube let) " + " ".join(fields) + "\n")
-    (proc / "stat").write_text(f"cpu 1 2 3\nbtime {boot}\n")
     return str(proc)
 
 
 def test_the_program_at_the_path_is_trusted_only_when_it_did_not_change_since_the_process_started(tmp_path):
     program = go_program(tmp_path / "kubelet", MODULES)
     changed = os.stat(program).st_ctime
-    boot = int(changed) - 1000
-    later = fake_proc(tmp_path / "a", 4242, program, changed - boot + 60, boot)  # started a minute after the file was made
+    later = fake_proc(tmp_path / "a", 4242, program, changed + 60)  # started a minute after the file was made
     assert identity.program_of(4242, later) == (program, f"{program} (PID 4242's program, unchanged since it started)")
-    earlier = fake_proc(tmp_path / "b", 4242, program, changed - boot - 60, boot)  # the file is newer than the process
+    earlier = fake_proc(tmp_path / "b", 4242, program, changed - 60)  # the file is newer than the process
     path, why = identity.program_of(4242, earlier)
     assert path is None and "changed after PID 4242 started" in why
-    relative = fake_proc(tmp_path / "c", 4242, "kubelet", changed - boot + 60, boot)
+    relative = fake_proc(tmp_path / "c", 4242, "kubelet", changed + 60)
     assert identity.program_of(4242, relative) == (None, "PID 4242 was started as 'kubelet', not by a full path")
 
 
@@ -125,3 +124,14 @@ def test_our_own_program_is_found_by_its_link_and_names_no_kubernetes(tmp_path):
     assert found.version is None and found.how == f"the program of PID {os.getpid()} names no Kubernetes version in its build information"
     assert not found.per_socket
     assert identity.kubelet_behind(path) == identity.KubeletFound(None, f"nobody accepts connections on {path}")
+
+
+def test_a_start_time_from_the_clocks_is_the_one_proc_stat_gives():
+    """The boot's time from the clocks, where the unit hides /proc/stat, matches its btime (whole seconds)."""
+    with open("/proc/stat", "rb") as f:
+        btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+    assert abs(identity.boot_time() - btime) <= 1.0, (identity.boot_time(), btime)
+    with open(f"/proc/{os.getpid()}/stat", "rb") as f:
+        ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+    started = identity._started_at(os.getpid(), "/proc")
+    assert isinstance(started, float) and abs(started - (btime + ticks / os.sysconf("SC_CLK_TCK"))) <= 1.0, started
