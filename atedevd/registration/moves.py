@@ -2,7 +2,8 @@
 
 A registration begun (register), a Register placed and sent, kubelet's stream seen
 (verified), a wait (waiting), a new registration that first retires the socket
-kubelet knew and hands it over (attempt, hand_over), and the closing of it all.
+kubelet knew and waits until kubelet let go of it (attempt, begin_let_go,
+after_let_go), and the closing of it all.
 Each move is checked against `TRANSITIONS`; `Moves` also holds what every move
 needs: what is advertised, what is known of kubelet, and the parts
 (`SocketBook`, `Attempts`, `LetGo`, `Questions`, `CountCheck`, `Tally`).

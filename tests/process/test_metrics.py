@@ -184,8 +184,8 @@ def test_changes_in_quick_succession_are_rendered_once_at_the_end_of_the_interva
 
     w.update(state("waiting\n"), now=100.0)
     assert path.read_text() == "waiting\n"
-    for n, value in enumerate(("registering\n", "verifying\n", "registered\n")):
-        w.update(state(value), now=100.01 + n * 0.01)
+    for n, text in enumerate(("registering\n", "verifying\n", "registered\n")):
+        w.update(state(text), now=100.01 + n * 0.01)
     assert renders == ["waiting\n"] and path.read_text() == "waiting\n"
     assert w.deadline() == 101.0  # the loop wakes for it
     w.update(state("registered\n"), now=101.0)
