@@ -4,7 +4,8 @@ The versions are ATEDEVD_E2E_KUBE's minors ("1.37", or "1.32 1.33 ..."; `make e2
 by default every kubelet the builder has cached. The cluster is session-scoped and parametrized
 by version, so pytest runs every test of one version on one cluster, then stops it before the
 next version's starts: one cluster at a time on the shared cores. Each test prints its figure and
-the figures are repeated, by version, at the end of the run.
+the figures are repeated, by version, at the end of the run, and after them the kubelet ×
+behaviour table (markdown, dated) the README's *Kubelet versions* is taken from.
 
 Without root or without the built binaries every test here is skipped, with the reason.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -23,6 +24,7 @@ from tests.e2e.plugin import Atedevd, gone
 from tests.e2e.workloads import RESOURCE
 
 FIGURES: Dict[str, List[str]] = {}
+TABLE: Dict[str, Dict[str, str]] = {}  # behaviour -> kubelet version -> what this run measured
 
 
 def _selected() -> List[str]:
@@ -61,6 +63,14 @@ def pytest_terminal_summary(terminalreporter):
         for version, lines in FIGURES.items():
             for line in lines:
                 terminalreporter.write_line(f"{version}  {line}")
+    if TABLE:
+        versions = sorted({v for cells in TABLE.values() for v in cells}, key=lambda v: [int(x) for x in v[1:].split(".")])
+        terminalreporter.section("kubelet x behaviour")
+        terminalreporter.write_line(f"measured by make e2e on {time.strftime('%Y-%m-%d')}, kubelets {', '.join(versions)}")
+        terminalreporter.write_line("| | " + " | ".join(versions) + " |")
+        terminalreporter.write_line("|---|" + "---|" * len(versions))
+        for row, cells in TABLE.items():
+            terminalreporter.write_line(f"| {row} | " + " | ".join(cells.get(v, "not run") for v in versions) + " |")
 
 
 @pytest.fixture(scope="session")
@@ -86,11 +96,14 @@ def cluster(kube):
 
 @pytest.fixture
 def figure(cluster, request):
-    """figure(text): print one of the test's figures and keep it for the run's summary."""
-    def say(text: str) -> None:
+    """figure(text, row=, cell=): print one of the test's figures and keep it for the run's
+    summary; `cell` is what the kubelet × behaviour table says in `row` for this kubelet."""
+    def say(text: str, row: Optional[str] = None, cell: str = "") -> None:
         line = f"{request.node.name.split('[')[0]}: {text}"
         print(f"\nFIGURE {cluster.kubelet_version} {line}")
         FIGURES.setdefault(cluster.kubelet_version, []).append(line)
+        if row is not None:
+            TABLE.setdefault(row, {})[cluster.kubelet_version] = cell
     return say
 
 

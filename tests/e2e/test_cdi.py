@@ -66,7 +66,9 @@ def test_pod_kinds_and_what_check_says(kvm_put_back, start_atedevd, cluster, fig
         if (verdicts.get(kind) == "yes") != opened:
             disagree.append(name)
     host = os.stat(KVM)
-    figure(f"{config} (host node {oct(stat.S_IMODE(host.st_mode))}): " + "; ".join(rows))
+    figure(f"{config} (host node {oct(stat.S_IMODE(host.st_mode))}): " + "; ".join(rows),
+           f"{config}: root, uid 1000, uid 1000 + group, hostUsers: false root, uid 1000",
+           ", ".join(got[name]["open"] for name in KINDS) + ("; check agrees" if not disagree else "; check DISAGREES"))
     assert {name: g["open"] for name, g in got.items()} == expected, got
     for name in ("root", "uid1000", "uid1000-group", "userns-root"):
         if expected[name] == "ok":

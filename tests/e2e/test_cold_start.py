@@ -60,5 +60,6 @@ def test_kubelets_first_pods_after_a_boot(node, cluster, figure):
         if at is not None and at > settled + EDGE_S:
             assert not rejected(pods[name]), (name, pods[name]["status"])
     figure(f"healthy {ms(healthy - server)} ms after kubelet's registration server; {len(before) - lost} of "
-           f"{len(before)} pods from before admitted; " + "; ".join(rows))
+           f"{len(before)} pods from before admitted; " + "; ".join(rows),
+           "cold start with kubelet (a boot): its first pods", f"{len(before) - lost}/{len(before)} admitted")
     assert lost == 0, rows

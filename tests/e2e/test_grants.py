@@ -34,7 +34,8 @@ def test_a_pod_that_asks_opens_kvm_and_one_that_mounts_it_without_asking_gets_ep
     given = podresources.assigned(cluster.kubelet_root, w.RESOURCE)
     assert len(given.get("asks", [])) == 1 and "mounts" not in given, given
     figure(f"asks: open ok, KVM_GET_API_VERSION {got_asks['ioctl']}, unit {given['asks'][0]} (pod-resources); "
-           f"mounts /dev/kvm without asking: {got_mounts['open']}")
+           f"mounts /dev/kvm without asking: {got_mounts['open']}",
+           "a pod asking for ate.dev/kvm; one mounting /dev/kvm without asking", f"opens; {got_mounts['open']}")
 
 
 KINDS = [

@@ -114,7 +114,8 @@ def test_habit_endpoints_per_resource_or_per_socket(start_atedevd, cluster, figu
     figure(f"real: clients kept {'per name and socket path' if clients == {True} else 'per resource name'}; "
            f"new Register {ms(old_end[0] - new_register) if old_end else '?'} ms before the old stream ended; "
            f"the resource {'stayed healthy' if kept else 'lost every healthy unit for ' + spread([b - s for s, b, _ in windows])}"
-           f"; model: {MODEL['endpoints']}")
+           f"; model: {MODEL['endpoints']}",
+           "kubelet keeps device plugin clients per", "name and socket" if clients == {True} else "resource name")
     assert old_end and old_end[0] > new_register, (old_end, new_register)
     if clients == {True}:
         assert kept, windows

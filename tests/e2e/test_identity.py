@@ -15,4 +15,5 @@ def test_the_kubelet_behind_the_socket_is_the_one_running(node, cluster, figure)
     assert f"kubelet {cluster.kubelet_version}, the program of PID " in f["message"], f
     beside = "registers beside the running atedevd" in f["message"]
     assert beside == per_socket(cluster), (f, per_socket(cluster))
-    figure(f"identity: {f['message']}")
+    figure(f"identity: {f['message']}", "version atedevd reads from kubelet's program; its upgrades register",
+           f"{cluster.kubelet_version}; {'beside' if beside else 'after the let-go'}")

@@ -6,7 +6,7 @@ import os
 
 from tests.e2e.conftest import clean_pods, cluster_healthy
 from tests.e2e.kubelet_log import REGISTER, SERVER, spread
-from tests.e2e.window import check_pods, measure, summary
+from tests.e2e.window import cell, check_pods, measure, summary
 
 ROUNDS = int(os.environ.get("ATEDEVD_E2E_ROUNDS", "3"))
 
@@ -29,7 +29,8 @@ def test_pods_sent_while_kubelet_is_down(node, cluster, figure):
         clean_pods(cluster)
     log = cluster.klog()
     first_sync = [min(p.admitted_at for p in r.pods) - log.of(SERVER, r.since, resource=False)[0].at for r in rounds]
-    figure(f"{summary(rounds)}; kubelet took them in {spread(first_sync)} after its registration server; why: {reasons(rounds)}")
+    figure(f"{summary(rounds)}; kubelet took them in {spread(first_sync)} after its registration server; why: {reasons(rounds)}",
+           "kubelet restarts, pods sent while it is down", cell(rounds))
     for r in rounds:
         assert len(r.windows) == 1 and r.registers == 1, (r.windows, r.registers)
     check_pods(rounds)
@@ -50,7 +51,8 @@ def test_pods_sent_while_kubelet_starts(node, cluster, figure):
         clean_pods(cluster)
     log = cluster.klog()
     to_register = [log.of(REGISTER, r.since)[0].at - log.of(SERVER, r.since, resource=False)[0].at for r in rounds]
-    figure(f"{summary(rounds)}; registration server -> our Register {spread(to_register)}; why: {reasons(rounds)}")
+    figure(f"{summary(rounds)}; registration server -> our Register {spread(to_register)}; why: {reasons(rounds)}",
+           "kubelet restarts, pods sent as it starts", cell(rounds))
     for r in rounds:
         assert len(r.windows) == 1 and r.registers == 1, (r.windows, r.registers)
     check_pods(rounds)

@@ -40,7 +40,7 @@ def test_one_unit_per_pod_exclusive_and_hot_plug(start_atedevd, cluster, serial_
     nodes = [plug(serial_dir, i) for i in range(3)]
     pattern = f'[[device]]\nresource = "{RESOURCE}"\npath = "{serial_dir}/ttyE2E*"\n'
     since = time.time()
-    a = start_atedevd(devices='[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n' + pattern)
+    start_atedevd(devices='[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n' + pattern)
     wait_for("3 units counted", lambda: counted(cluster, 3, since), 60, 0.05)
     registers = KubeletLog(cluster.klog().lines, RESOURCE).registers(since)
     wait_for("the Node's allocatable", lambda: cluster.allocatable(RESOURCE) == "3", 60, 0.2)  # what the scheduler reads
@@ -81,4 +81,5 @@ def test_one_unit_per_pod_exclusive_and_hot_plug(start_atedevd, cluster, serial_
     assert later == registers == 1, (registers, later)
     figure(f"3 pods, 3 distinct nodes ({', '.join(os.path.basename(v[0]) + ' ' + v[1] for v in got.values())}), "
            f"the 4th Pending; plugged node counted by kubelet {round((seen_at - plugged_at) * 1000)} ms after mknod, "
-           f"given to the waiting pod; unplugged: 3 of 4 healthy; Registers {later}")
+           f"given to the waiting pod; unplugged: 3 of 4 healthy; Registers {later}",
+           "pattern devices: one node per pod, hot-plug", f"exclusive; plug seen in {round((seen_at - plugged_at) * 1000)} ms")

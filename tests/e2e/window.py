@@ -141,6 +141,15 @@ def summary(rounds: List[EventRound]) -> str:
     return text + f", clear of it {len(outside)} (rejected {sum(p.rejected for p in outside)})"
 
 
+def cell(rounds: List[EventRound]) -> str:
+    """The table's word for an event: the median window and the pods kubelet rejected of those sent."""
+    pods = [p for r in rounds for p in r.pods]
+    if not any(r.windows for r in rounds):
+        return f"no window; {sum(p.rejected for p in pods)}/{len(pods)} rejected"
+    windows = sorted(r.window_s for r in rounds)
+    return f"{ms(windows[len(windows) // 2])} ms; {sum(p.rejected for p in pods)}/{len(pods)} rejected"
+
+
 def check_pods(rounds: List[EventRound]) -> None:
     """kubelet's rule, as the design states it: a pod taken in while no unit is healthy is
     rejected, one taken in while the resource is healthy is admitted."""
