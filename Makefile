@@ -101,7 +101,7 @@ bench-registration: deps
 	ROUNDS=$(ROUNDS) $(PYTHON) -m pytest -q -p no:cacheprovider tests/process/test_registration.py
 
 # The registration simulation: SIM_ROUNDS seeded rounds per scenario and kubelet generation (`make test`
-# and CI run 5000), then the same with less to see kubelet by (pod-resources only; nothing but a fixed wait):
+# and CI run 2000), then the same with less to see kubelet by (pod-resources only; nothing but a fixed wait):
 # what each fallback costs. A failure prints its seed; --replay SEED prints that round.
 SIM_ROUNDS ?= 10000
 sim:

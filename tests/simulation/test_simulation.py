@@ -1,7 +1,7 @@
 """Registration under simulation (tests/simulation): the real machine, models of both kubelet
 generations, every step delayed 0–1 s on both sides, the end state asserted each round.
 
-SIM_ROUNDS (environment; default 5000, as `make test` runs it, where `make sim` runs 10000)
+SIM_ROUNDS (environment; default 2000, as `make test` runs it, where `make sim` runs 10000)
 sets the rounds per scenario and kubelet mode, ten to a world (tests/simulation/scenarios.py, `run_rounds`); a failure names its seed and its
 world's, and `python3 -m tests.simulation --replay SEED --from WORLD_SEED ...` prints its history.
 The machine and its parts, event by event, are tested on their own in tests/unit/registration/.
@@ -15,7 +15,7 @@ from atedevd.registration import letgo
 from atedevd.registration.moves import TRANSITIONS
 from tests.simulation.scenarios import CHAIN, MODES, SCENARIOS, run_matrix, run_round, run_rounds
 
-ROUNDS = int(os.environ.get("SIM_ROUNDS", "5000"))
+ROUNDS = int(os.environ.get("SIM_ROUNDS", "2000"))
 TABLE_ROUNDS = 500  # from this many rounds a cell, every row of TRANSITIONS is taken
 
 
