@@ -70,6 +70,15 @@ def our_files(plugin_dir: str) -> List[str]:
     return sorted(out)
 
 
+def write_file(path, text: str, mode: int = 0o644) -> str:
+    """A file the test plants (a configuration, a spec, a runtime's settings), with the mode
+    given: the daemon's trust checks read the mode, so it is never left to the umask."""
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, mode)
+    return str(path)
+
+
 def fake_dev_root(path: str, names=("kvm",)) -> str:
     """A dev root whose nodes are symlinks to /dev/null: character devices, no root needed."""
     os.makedirs(path, exist_ok=True)

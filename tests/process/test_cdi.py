@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from atedevd.cdi import files as cdi_files
-from rig.harness import wait_until
+from rig.harness import wait_until, write_file
 from rig.nodes import mknod
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mknod and root-owned directories need root (CI runs as root)")
@@ -18,17 +18,10 @@ KVM = "ate.dev/kvm"
 SPEC = "atedevd-ate.dev_kvm.json"
 
 
-def write(path, text, mode=0o644):
-    with open(path, "w") as f:
-        f.write(text)
-    os.chmod(path, mode)
-    return str(path)
-
-
 # --- the daemon as a process -------------------------------------------------------------------------
 
 def cdi_config(tmp_path, spec_dir, devices="", daemon=""):
-    return write(tmp_path / "c.toml", f'[daemon]\ncdi = true\ncdi_spec_dir = "{spec_dir}"\n{daemon}{devices}')
+    return write_file(tmp_path / "c.toml", f'[daemon]\ncdi = true\ncdi_spec_dir = "{spec_dir}"\n{daemon}{devices}')
 
 
 def spec_doc(spec_dir, name=SPEC):
@@ -142,14 +135,14 @@ def test_cdi_turned_on_and_off_by_reload_for_an_unchanged_device(start_daemon, k
     dev = tmp_path / "devroot"
     mknod(dev, "kvm", 10, 232)
     spec_dir = tmp_path / "cdi"
-    config = write(tmp_path / "c.toml", f'[daemon]\ncdi_spec_dir = "{spec_dir}"\n')
+    config = write_file(tmp_path / "c.toml", f'[daemon]\ncdi_spec_dir = "{spec_dir}"\n')
     d = start_daemon(dev_root=str(dev), config=config)
     d.wait_ready()
     assert kubelet.wait_connected(KVM), d.log()
     assert answer(kubelet, KVM, ["kvm-0"])[0] == [] and not spec_dir.exists()
 
     def reload(text):
-        write(tmp_path / "c.toml", text)
+        write_file(tmp_path / "c.toml", text)
         n = len(d.notify.messages)
         d.send(signal.SIGHUP)
         assert d.notify.wait_for("READY", "1", timeout=5, after=n), d.log()

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from atedevd.api import pb
-from rig.harness import REPO, wait_until
+from rig.harness import REPO, wait_until, write_file
 from rig.nodes import fake_vfio_sysfs, mknod, vfio_nodes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root (CI runs as root)")
@@ -22,13 +22,6 @@ SERIAL, VFIO = "ate.dev/serial", "ate.dev/vfio"
 SERIAL_TOML = f'[[device]]\nresource = "{SERIAL}"\npath = "/dev/ttyUSB*"\n'
 VFIO_TOML = (f'[[device]]\nresource = "{VFIO}"\npath = "/dev/vfio/[0-9]*"\ncompanions = ["/dev/vfio/vfio"]\n'
              'permissions = "rw"\n')
-
-
-def write(path, text, mode=0o644):
-    with open(path, "w") as f:
-        f.write(text)
-    os.chmod(path, mode)
-    return str(path)
 
 
 def health(kubelet, resource):
@@ -54,7 +47,7 @@ def allocated_paths(kubelet, resource, ids):
 
 def test_nodes_are_matched_unplugged_and_plugged_one_by_one(start_daemon, kubelet, dev_root, tmp_path):
     serial_nodes(dev_root, 3)
-    d = start_daemon(config=write(tmp_path / "c.toml", SERIAL_TOML))
+    d = start_daemon(config=write_file(tmp_path / "c.toml", SERIAL_TOML))
     d.wait_ready()
     assert kubelet.wait_connected(SERIAL), d.log()
     assert kubelet.wait(lambda: health(kubelet, SERIAL) == dict.fromkeys(["ttyUSB0", "ttyUSB1", "ttyUSB2"], "Healthy"), 5)
@@ -83,7 +76,7 @@ def test_nodes_are_matched_unplugged_and_plugged_one_by_one(start_daemon, kubele
 
 
 def test_a_pattern_that_matches_nothing_is_not_advertised_until_a_node_appears(start_daemon, kubelet, dev_root, tmp_path, plugin_dir):
-    d = start_daemon(config=write(tmp_path / "c.toml", VFIO_TOML))
+    d = start_daemon(config=write_file(tmp_path / "c.toml", VFIO_TOML))
     d.wait_ready()
     assert wait_until(lambda: "no node matches /dev/vfio/[0-9]*, not advertised" in (d.status() or ""), 5), d.status()
     assert kubelet.registration_count(VFIO) == 0
@@ -95,7 +88,7 @@ def test_a_pattern_that_matches_nothing_is_not_advertised_until_a_node_appears(s
 
 def test_companions_come_in_the_same_answer_and_a_missing_one_stops_every_unit(start_daemon, kubelet, dev_root, tmp_path):
     vfio_nodes(dev_root, 12, 13)
-    d = start_daemon(config=write(tmp_path / "c.toml", VFIO_TOML.replace('"rw"', '"rwm"')))
+    d = start_daemon(config=write_file(tmp_path / "c.toml", VFIO_TOML.replace('"rw"', '"rwm"')))
     d.wait_ready()
     assert kubelet.wait_connected(VFIO), d.log()
     assert kubelet.wait(lambda: health(kubelet, VFIO) == {"vfio-12": "Healthy", "vfio-13": "Healthy"}, 5)
@@ -123,7 +116,7 @@ def test_numa_nodes_reach_kubelet_and_the_preferred_allocation_keeps_to_one(star
         mknod(dev_root, f"vfio/{10 + g}", 243, g)
         groups[10 + g] = (g, g // 2, f"0000:{0x3b + g:02x}:00.0")
     sys_root = fake_vfio_sysfs(tmp_path / "sys", groups)
-    d = start_daemon(config=write(tmp_path / "c.toml", VFIO_TOML), extra_args=["--sys-root", sys_root])
+    d = start_daemon(config=write_file(tmp_path / "c.toml", VFIO_TOML), extra_args=["--sys-root", sys_root])
     d.wait_ready()
     assert kubelet.wait_connected(VFIO), d.log()
     assert kubelet.wait(lambda: len(kubelet.manager.all_devices.get(VFIO, {})) == 4, 5)
@@ -143,7 +136,7 @@ def test_numa_nodes_reach_kubelet_and_the_preferred_allocation_keeps_to_one(star
 
 def test_kvm_keeps_its_defaults_beside_a_pattern(start_daemon, kubelet, dev_root, tmp_path):
     serial_nodes(dev_root, 2)
-    d = start_daemon(config=write(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n' + SERIAL_TOML))
+    d = start_daemon(config=write_file(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n' + SERIAL_TOML))
     d.wait_ready()
     assert kubelet.wait_connected("ate.dev/kvm") and kubelet.wait_connected(SERIAL), d.log()
     assert kubelet.wait(lambda: kubelet.capacity("ate.dev/kvm") == 1024 and kubelet.capacity(SERIAL) == 2, 5)
@@ -157,7 +150,7 @@ def test_ids_survive_a_restart_and_nodes_made_anew_in_another_order(start_daemon
     names = [f"ttyUSB{i}" for i in (0, 1, 2, 3)]
     for i, name in enumerate(names):
         mknod(dev_root, name, 188, i)
-    cfg = write(tmp_path / "c.toml", SERIAL_TOML)
+    cfg = write_file(tmp_path / "c.toml", SERIAL_TOML)
 
     def served(registrations):
         d = start_daemon(config=cfg)
@@ -187,7 +180,7 @@ def test_a_pattern_never_reaches_a_refused_node(start_daemon, kubelet, dev_root,
     mknod(dev_root, "vfio/12", 243, 0)
     mknod(dev_root, "vfio/noiommu-0", 243, 1)
     sys_root = fake_vfio_sysfs(tmp_path / "sys", {12: (0, 0, "0000:3b:00.0"), "noiommu-0": (1, 0, None)})
-    cfg = write(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/all"\npath = "/dev/*"\n'
+    cfg = write_file(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/all"\npath = "/dev/*"\n'
                                      f'[[device]]\nresource = "{VFIO}"\npath = "/dev/vfio/*"\ncompanions = ["/dev/vfio/vfio"]\n')
     d = start_daemon(config=cfg, extra_args=["--sys-root", sys_root])
     d.wait_ready()
@@ -217,7 +210,7 @@ def test_a_configuration_others_can_write_is_refused_at_start_and_on_reload(star
     serial_nodes(dev_root, 2)
     conf_dir = tmp_path / "etc"
     conf_dir.mkdir(mode=0o755)
-    cfg = write(conf_dir / "config.toml", SERIAL_TOML, mode=0o666)
+    cfg = write_file(conf_dir / "config.toml", SERIAL_TOML, mode=0o666)
     d = start_daemon(config=cfg)
     assert d.wait(10) == 78
     log = d.log()
@@ -232,7 +225,7 @@ def test_a_configuration_others_can_write_is_refused_at_start_and_on_reload(star
     d = start_daemon(config=cfg)
     d.wait_ready()
     assert kubelet.wait_connected(SERIAL), d.log()
-    write(cfg, SERIAL_TOML + '[[device]]\nresource = "ate.dev/more"\npath = "/dev/ttyUSB1"\n', mode=0o644)
+    write_file(cfg, SERIAL_TOML + '[[device]]\nresource = "ate.dev/more"\npath = "/dev/ttyUSB1"\n', mode=0o644)
     os.chmod(conf_dir, 0o777)  # anyone could have swapped the file
     reload(d)
     assert wait_until(lambda: "reload failed" in (d.status() or ""), 5), d.status()

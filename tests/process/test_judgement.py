@@ -33,7 +33,7 @@ import pytest
 
 from atedevd.cdi import files as cdi_files
 from atedevd.glue.resource import LOOK_EVERY_S
-from rig.harness import REPO, wait_until
+from rig.harness import REPO, wait_until, write_file
 from rig.nodes import fake_sysfs, mknod
 from tests.runtime import oci_runtime
 
@@ -43,13 +43,6 @@ needs_podman = pytest.mark.skipif(oci_runtime.missing() is not None, reason=str(
 NOBODY = 65534
 MSR = (202, 0)  # a CPU's model-specific registers: refused by the policy
 KEEP_S = 3 * 2.0  # three times the spec directory's look (cdi_keeper.LOOK_EVERY_S)
-
-
-def write(path, text, mode=0o644):
-    with open(path, "w") as f:
-        f.write(text)
-    os.chmod(path, mode)
-    return str(path)
 
 
 def reload(d, timeout=10.0):
@@ -110,7 +103,7 @@ def sampled(watch: SpecSampler) -> None:
 
 
 def cdi_config(tmp_path, spec_dir, devices):
-    return write(tmp_path / "c.toml", f'[daemon]\ncdi = true\ncdi_spec_dir = "{spec_dir}"\n{devices}')
+    return write_file(tmp_path / "c.toml", f'[daemon]\ncdi = true\ncdi_spec_dir = "{spec_dir}"\n{devices}')
 
 
 def in_container(tmp_path, spec_dir, names, path, dev_root):
@@ -244,7 +237,7 @@ def test_another_programs_spec_of_our_kind_is_named_and_its_names_never_answered
     assert kubelet.wait_connected("ate.dev/kvm"), d.log()
     names = lambda: [c.name for c in kubelet.allocate("ate.dev/kvm", ["kvm-0"]).container_responses[0].cdi_devices]  # noqa: E731
     assert names() == ["ate.dev/kvm=kvm"]
-    theirs = write(spec_dir / "vendor.json", json.dumps({"cdiVersion": "0.5.0", "kind": "ate.dev/kvm", "devices": [
+    theirs = write_file(spec_dir / "vendor.json", json.dumps({"cdiVersion": "0.5.0", "kind": "ate.dev/kvm", "devices": [
         {"name": "kvm", "containerEdits": {"deviceNodes": [{"path": "/dev/kvm", "type": "c", "major": 1, "minor": 1}]}}]}))
     assert "ate.dev/kvm=kvm" not in cdi_files.resolvable(str(spec_dir))  # defined twice: the runtime resolves nothing
     assert wait_until(lambda: names() == [], KEEP_S), d.log()  # never answered while it does not resolve
@@ -379,16 +372,16 @@ def test_a_pattern_directory_a_user_owns_is_refused_at_start_on_reload_and_when_
     mine = _nobodys(os.path.join(dev, "mine"))
     as_nobody(f"import os; os.symlink('../input/event0', {mine + '/kbd'!r})")
     table = '[[device]]\nresource = "ate.dev/mine"\npath = "/dev/mine/*"\nhost_mode = 0o666\n'
-    cfg = write(tmp_path / "c.toml", table)
+    cfg = write_file(tmp_path / "c.toml", table)
     d = start_daemon(dev_root=dev, config=cfg)
     assert d.wait(10) == 78, d.log()  # at start: the configuration is refused, with the path, the owner and the fix
     assert f"not trusted: {mine} is owned by nobody (owner nobody:nogroup, mode 0755), not root: chown root {mine}" in d.log()
     assert stat.S_IMODE(os.stat(event).st_mode) == 0o600
-    write(cfg, "")
+    write_file(cfg, "")
     d = start_daemon(dev_root=dev, config=cfg, env={"WATCHDOG_USEC": "200000"})  # (its pings show its loop's turns)
     d.wait_ready()
     assert kubelet.wait_connected("ate.dev/kvm"), d.log()
-    write(cfg, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n' + table)
+    write_file(cfg, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n' + table)
     reload(d)  # on reload: refused whole, the running configuration kept
     assert "reload failed" in (d.status() or "") and f"chown root {mine}" in d.log(), d.log()
     os.chown(mine, 0, 0)
@@ -422,7 +415,7 @@ def test_a_reload_racing_an_in_place_rewrite_applies_no_partial_file(start_daemo
     for n in ("a", "b", "c"):
         mknod(dev, n, 1, {"a": 3, "b": 5, "c": 7}[n])
     text = "".join(f'[[device]]\nresource = "ate.dev/{n}"\npath = "/dev/{n}"\n' for n in ("a", "b", "c"))
-    cfg = write(tmp_path / "c.toml", text)
+    cfg = write_file(tmp_path / "c.toml", text)
     d = start_daemon(dev_root=dev, config=cfg)
     d.wait_ready()
     for n in ("a", "b", "c"):
@@ -469,11 +462,11 @@ def check_with_containerd(tmp_path, config_toml=None, fifo=False, link=None, ver
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     if version:
-        write(bin_dir / "containerd", f"#!/bin/sh\necho 'containerd github.com/containerd/containerd v{version} x'\n", 0o755)
+        write_file(bin_dir / "containerd", f"#!/bin/sh\necho 'containerd github.com/containerd/containerd v{version} x'\n", 0o755)
     node = mknod(tmp_path / "devroot", "kvm", 10, 232)
     os.chmod(node, 0o660)
     (tmp_path / "dp").mkdir(exist_ok=True)
-    cfg = write(tmp_path / "c.toml", '[daemon]\ncdi = true\n')
+    cfg = write_file(tmp_path / "c.toml", '[daemon]\ncdi = true\n')
     made = not os.path.exists("/etc/containerd")
     os.makedirs("/etc/containerd", exist_ok=True)
     try:
@@ -561,7 +554,7 @@ def test_a_uio_node_is_refused_and_never_a_unit(start_daemon, kubelet, tmp_path)
     mknod(dev, "uio0", 240, 0)
     mknod(dev, "ttyS4", 4, 68)
     sys_root = fake_sysfs(str(tmp_path / "sys"), "char", 240, 0, "uio", "uio0")
-    cfg = write(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/all"\npath = "/dev/[tu]*"\n')
+    cfg = write_file(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/all"\npath = "/dev/[tu]*"\n')
     d = start_daemon(dev_root=dev, config=cfg, extra_args=["--sys-root", sys_root])
     d.wait_ready()
     assert kubelet.wait_connected("ate.dev/all"), d.log()

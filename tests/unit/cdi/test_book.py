@@ -1,25 +1,11 @@
 """CDI names and spec documents (atedevd/cdi/names.py), and one resource's spec as decisions without
 I/O (atedevd/cdi/book.py): what is written, what may be answered, what an upgrade's successor adopts."""
 
-import os
-
-import pytest
-
 from atedevd.cdi import book as cdi_book
 from atedevd.cdi import names as cdi
 from atedevd.devices.snapshot import NodeGrant
 
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mknod and root-owned directories need root (CI runs as root)")
-
 KVM = "ate.dev/kvm"
-SPEC = "atedevd-ate.dev_kvm.json"
-
-
-def write(path, text, mode=0o644):
-    with open(path, "w") as f:
-        f.write(text)
-    os.chmod(path, mode)
-    return str(path)
 
 
 # --- names and documents ---------------------------------------------------------------------

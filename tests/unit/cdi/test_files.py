@@ -9,19 +9,13 @@ import pytest
 
 from atedevd.cdi import files as cdi_files
 from atedevd.devices import shared
+from rig.harness import write_file
 from rig.nodes import mknod
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mknod and root-owned directories need root (CI runs as root)")
 
 KVM = "ate.dev/kvm"
 SPEC = "atedevd-ate.dev_kvm.json"
-
-
-def write(path, text, mode=0o644):
-    with open(path, "w") as f:
-        f.write(text)
-    os.chmod(path, mode)
-    return str(path)
 
 
 # --- the files -------------------------------------------------------------------------------------
@@ -57,7 +51,7 @@ def test_a_spec_directory_others_can_write_is_refused(tmp_path):
 
 def test_a_name_two_files_define_resolves_to_nothing(tmp_path):
     def spec(name, kind, *devices, version="0.3.0"):
-        write(tmp_path / name, json.dumps({"cdiVersion": version, "kind": kind, "devices": [
+        write_file(tmp_path / name, json.dumps({"cdiVersion": version, "kind": kind, "devices": [
             {"name": d, "containerEdits": {}} for d in devices]}))
     spec("a.json", KVM, "kvm", "x")
     spec("b.json", KVM, "x")

@@ -10,16 +10,6 @@ from rig.nodes import mknod
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mknod and root-owned directories need root (CI runs as root)")
 
-KVM = "ate.dev/kvm"
-SPEC = "atedevd-ate.dev_kvm.json"
-
-
-def write(path, text, mode=0o644):
-    with open(path, "w") as f:
-        f.write(text)
-    os.chmod(path, mode)
-    return str(path)
-
 
 # --- host_mode -------------------------------------------------------------------------------------------
 
