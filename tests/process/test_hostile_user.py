@@ -20,9 +20,9 @@ import threading
 
 import pytest
 
-from rig.harness import REPO, wait_until
+from rig.harness import REPO, wait_until, write_file
 from rig.nodes import fake_sysfs, mknod
-from tests.process.test_exclusive import SERIAL, SERIAL_TOML, health, reload, serial_nodes, write
+from tests.process.test_exclusive import SERIAL, SERIAL_TOML, health, reload, serial_nodes
 from tests.process.test_upgrade import hup, upgrade
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="mknod, chown and setuid need root (CI runs as root)")]
@@ -60,9 +60,9 @@ def test_a_link_on_the_way_to_the_configuration_is_as_trusted_as_its_directory(s
     mknod(dev_root, "mem", 1, 1)
     etc = os.path.join(place, "etc")
     os.makedirs(etc, mode=0o755)
-    benign = write(os.path.join(etc, "benign.toml"), '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
-    example = write(os.path.join(etc, "mem-example.toml"), MEM_TOML)  # root's, as an example file would be
-    cfg = write(os.path.join(etc, "config.toml"), open(benign).read())
+    benign = write_file(os.path.join(etc, "benign.toml"), '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
+    example = write_file(os.path.join(etc, "mem-example.toml"), MEM_TOML)  # root's, as an example file would be
+    cfg = write_file(os.path.join(etc, "config.toml"), open(benign).read())
     home = nobodys_dir(os.path.join(place, "home"))
     d = start_daemon(config=cfg)
     d.wait_ready()
@@ -89,10 +89,10 @@ def test_dot_dot_in_the_configurations_path_is_taken_on_the_disk(start_daemon, k
     mknod(dev_root, "mem", 1, 1)
     etc = os.path.join(place, "etc")
     os.makedirs(etc, mode=0o755)
-    write(os.path.join(etc, "config.toml"), '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
+    write_file(os.path.join(etc, "config.toml"), '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
     examples = os.path.join(place, "examples", "a")
     os.makedirs(examples, mode=0o755)
-    write(os.path.join(place, "examples", "config.toml"), MEM_TOML)  # root's
+    write_file(os.path.join(place, "examples", "config.toml"), MEM_TOML)  # root's
     home = nobodys_dir(os.path.join(place, "home"))
     as_nobody(f"import os; os.symlink({examples!r}, {home + '/deep'!r})")
     os.symlink("../home/deep", os.path.join(etc, "sub"))
@@ -116,7 +116,7 @@ def test_input_injection_nodes_and_a_vfio_device_without_an_iommu_are_never_unit
     sys_root = str(tmp_path / "sys")
     fake_sysfs(sys_root, "char", 511, 0, "vfio-dev", "vfio/devices/noiommu-vfio0")
     fake_sysfs(sys_root, "char", 511, 1, "vfio-dev", "vfio/devices/vfio1")
-    cfg = write(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/all"\npath = "/dev/*"\n'
+    cfg = write_file(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/all"\npath = "/dev/*"\n'
                                      '[[device]]\nresource = "ate.dev/vfio"\npath = "/dev/vfio/devices/*"\n')
     d = start_daemon(config=cfg, extra_args=["--sys-root", sys_root])
     d.wait_ready()
@@ -130,7 +130,7 @@ def test_input_injection_nodes_and_a_vfio_device_without_an_iommu_are_never_unit
     assert "ERROR ate.dev/vfio: /dev/vfio/devices/noiommu-vfio0: refused: " in log
     assert "is a VFIO device without an IOMMU" in log
     for path in ("/dev/uhid", "/dev/userio"):  # as a device's path: a configuration error, exit 78
-        d = start_daemon(config=write(tmp_path / "one.toml", f'[[device]]\nresource = "ate.dev/x"\npath = "{path}"\n'))
+        d = start_daemon(config=write_file(tmp_path / "one.toml", f'[[device]]\nresource = "ate.dev/x"\npath = "{path}"\n'))
         assert d.wait(10) == 78 and f'"{path}" (ate.dev/x): refused: ' in d.log(), d.log()
 
 
@@ -157,7 +157,7 @@ def test_a_fifo_in_a_metrics_directory_others_can_write_blocks_nothing(start_dae
     os.makedirs(metrics_dir)
     os.chmod(metrics_dir, 0o1777)  # like /tmp: anyone may create files in it
     serial_nodes(dev_root, 2)
-    d = start_daemon(config=write(tmp_path / "c.toml", SERIAL_TOML), metrics_dir=metrics_dir,
+    d = start_daemon(config=write_file(tmp_path / "c.toml", SERIAL_TOML), metrics_dir=metrics_dir,
                      launcher=("-c", FIFO_LAUNCHER.format(metrics_dir=metrics_dir)))
     d.wait_ready()
     assert kubelet.wait_connected(SERIAL), d.log()
@@ -207,7 +207,7 @@ def test_the_successor_of_an_upgrade_runs_the_installed_package_not_the_working_
     site = tmp_path / "site"
     shutil.copytree(os.path.join(REPO, "atedevd"), site / "atedevd", ignore=shutil.ignore_patterns("__pycache__"))
     cwd = nobodys_dir(os.path.join(place, "work"))
-    cfg = write(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
+    cfg = write_file(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
     d = start_daemon(config=cfg, cwd=cwd, env={"PYTHONPATH": str(site)}, log_level="debug")
     d.wait_ready()
     assert kubelet.wait_connected("ate.dev/kvm"), d.log()

@@ -15,9 +15,9 @@ import signal
 import grpc
 import pytest
 
-from rig.harness import wait_until
+from rig.harness import wait_until, write_file
 from rig.nodes import mknod
-from tests.process.test_exclusive import allocated_paths, health, reload, write
+from tests.process.test_exclusive import allocated_paths, health, reload
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root (CI runs as root)")]
 
@@ -49,7 +49,7 @@ def by_id_link(dev_root, name, target):
 def test_a_node_two_patterns_reach_is_served_by_neither_after_a_plug_a_reload_and_a_restart(
         start_daemon, kubelet, dev_root, tmp_path):
     mknod(dev_root, "ttyUSB10", 188, 10)  # ttyUSB* only
-    cfg = write(tmp_path / "c.toml", OVERLAPPING)
+    cfg = write_file(tmp_path / "c.toml", OVERLAPPING)
     d = start_daemon(config=cfg)
     d.wait_ready()
     assert kubelet.wait_connected(A), d.log()
@@ -82,7 +82,7 @@ def test_a_shareable_node_that_a_link_of_a_pattern_comes_to_reach_is_served_by_n
                                                                                        tmp_path):
     """udev makes the by-id link after the node: the shareable resource served it, and stops
     the moment the pattern's link reaches it; when the link goes, it serves it again."""
-    cfg = write(tmp_path / "c.toml", f'[[device]]\nresource = "{GPS}"\npath = "/dev/ttyUSB5"\ncount = 4\n'
+    cfg = write_file(tmp_path / "c.toml", f'[[device]]\nresource = "{GPS}"\npath = "/dev/ttyUSB5"\ncount = 4\n'
                                      f'[[device]]\nresource = "{BY_ID}"\npath = "/dev/serial/by-id/*"\n')
     d = start_daemon(config=cfg)
     d.wait_ready()
@@ -105,7 +105,7 @@ def test_a_node_removed_just_before_a_reload_does_not_stay_healthy(start_daemon,
     """kill -STOP, rm, kill -HUP, kill -CONT: the event and the reload arrive together."""
     for n in range(3):
         mknod(dev_root, f"ttyUSB{n}", 188, n)
-    d = start_daemon(config=write(tmp_path / "c.toml", f'[[device]]\nresource = "{A}"\npath = "/dev/ttyUSB*"\n'))
+    d = start_daemon(config=write_file(tmp_path / "c.toml", f'[[device]]\nresource = "{A}"\npath = "/dev/ttyUSB*"\n'))
     d.wait_ready()
     assert kubelet.wait_connected(A), d.log()
     assert kubelet.wait(lambda: healthy(kubelet, A) == {"ttyUSB0", "ttyUSB1", "ttyUSB2"}, 5), d.log()
@@ -129,7 +129,7 @@ def test_a_links_unit_is_judged_by_the_node_it_points_at_when_that_node_is_made_
                                                                                       tmp_path):
     mknod(dev_root, "ttyUSB0", 188, 0)
     by_id_link(dev_root, "usb-FTDI_FT232R-if00-port0", "ttyUSB0")
-    d = start_daemon(config=write(tmp_path / "c.toml", f'[[device]]\nresource = "{BY_ID}"\npath = "/dev/serial/by-id/*"\n'))
+    d = start_daemon(config=write_file(tmp_path / "c.toml", f'[[device]]\nresource = "{BY_ID}"\npath = "/dev/serial/by-id/*"\n'))
     d.wait_ready()
     assert kubelet.wait_connected(BY_ID), d.log()
     unit = "serial-by-id-usb-FTDI_FT232R-if00-port0"
@@ -160,7 +160,7 @@ def test_two_by_id_names_whose_ids_once_shared_a_hash_are_two_units(start_daemon
     assert unit_id(first) != unit_id(second)
     mknod(dev_root, "ttyUSB0", 188, 0)
     by_id_link(dev_root, COLLIDING[0], "ttyUSB0")
-    d = start_daemon(config=write(tmp_path / "c.toml", f'[[device]]\nresource = "{BY_ID}"\npath = "/dev/serial/by-id/*"\n'))
+    d = start_daemon(config=write_file(tmp_path / "c.toml", f'[[device]]\nresource = "{BY_ID}"\npath = "/dev/serial/by-id/*"\n'))
     d.wait_ready()
     assert kubelet.wait_connected(BY_ID), d.log()
     assert kubelet.wait(lambda: healthy(kubelet, BY_ID) == {unit_id(first)}, 5), d.log()
@@ -180,12 +180,12 @@ def test_an_id_of_the_list_kubelet_still_holds_is_granted_after_a_reload_lowers_
                                                                                           tmp_path):
     """kubelet 1.32 kept allocating from the 1024-unit list for up to 57 ms after the 512-unit one
     was sent: here it takes the new list only once the test lets it."""
-    cfg = write(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
+    cfg = write_file(tmp_path / "c.toml", '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
     d = start_daemon(config=cfg)
     d.wait_ready()
     assert kubelet.wait_connected("ate.dev/kvm") and kubelet.wait(lambda: kubelet.capacity("ate.dev/kvm") == 1024, 5)
     with kubelet.cond:  # kubelet has not processed what we send next
-        write(cfg, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = 512\n')
+        write_file(cfg, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = 512\n')
         reload(d)
         assert "kvm-987" in kubelet.manager.healthy["ate.dev/kvm"]  # still the old list
         answer = kubelet.allocate("ate.dev/kvm", ["kvm-987"])
