@@ -1,8 +1,7 @@
-"""The kubelet device plugin API (v1beta1) and pod-resources API (v1):
-messages and gRPC service wiring.
+"""The kubelet device plugin API (v1beta1) and pod-resources API (v1), and for DRA mode
+kubelet's plugin registration and DRAPlugin (v1, v1beta1): messages and gRPC service wiring.
 
-`deviceplugin_pb2.py` and `podresources_pb2.py` are generated from
-`deviceplugin.proto` and `podresources.proto` by protoc 3.21 (`make proto`)
+Each `*_pb2.py` is generated from the `.proto` beside it by protoc 3.21 (`make proto`)
 and committed; do not edit them by hand. The gRPC services are
 wired here by hand, with generic handlers, so that the same code runs on
 Debian 12's grpcio 1.51 and on the newest grpcio from PyPI.

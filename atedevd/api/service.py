@@ -1,4 +1,5 @@
-"""gRPC wiring for the v1beta1 services and pod-resources v1, from one table of methods.
+"""gRPC wiring for the v1beta1 services, pod-resources v1 and DRA mode's plugin registration and
+DRAPlugin v1/v1beta1, from one table of methods.
 
 Servers get a generic handler built from any object with the method names;
 clients get a stub whose attributes are the channel's multi-callables.
@@ -9,6 +10,9 @@ from typing import Any, Dict
 import grpc
 
 from atedevd.api import deviceplugin_pb2 as pb
+from atedevd.api import dra_v1_pb2 as drapb
+from atedevd.api import dra_v1beta1_pb2 as drapb_beta
+from atedevd.api import pluginregistration_pb2 as regpb
 from atedevd.api import podresources_pb2 as prpb
 from atedevd.record import Record
 
@@ -24,6 +28,17 @@ class Method(Record):
 REGISTRATION = "v1beta1.Registration"
 DEVICE_PLUGIN = "v1beta1.DevicePlugin"
 POD_RESOURCES = "v1.PodResourcesLister"
+PLUGIN_REGISTRATION = "pluginregistration.Registration"  # DRA mode: what kubelet's plugin watcher asks
+DRA_PLUGIN = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"  # registered as "v1.DRAPlugin" (kubelet >= 1.34)
+DRA_PLUGIN_BETA = "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"  # "v1beta1.DRAPlugin" (every DRA kubelet)
+
+
+def _dra(m) -> Dict[str, "Method"]:
+    return {
+        "NodePrepareResources": Method(m.NodePrepareResourcesRequest, m.NodePrepareResourcesResponse),
+        "NodeUnprepareResources": Method(m.NodeUnprepareResourcesRequest, m.NodeUnprepareResourcesResponse),
+    }
+
 
 METHODS: Dict[str, Dict[str, Method]] = {
     REGISTRATION: {
@@ -38,6 +53,12 @@ METHODS: Dict[str, Dict[str, Method]] = {
         "Allocate": Method(pb.AllocateRequest, pb.AllocateResponse),
         "PreStartContainer": Method(pb.PreStartContainerRequest, pb.PreStartContainerResponse),
     },
+    PLUGIN_REGISTRATION: {
+        "GetInfo": Method(regpb.InfoRequest, regpb.PluginInfo),
+        "NotifyRegistrationStatus": Method(regpb.RegistrationStatus, regpb.RegistrationStatusResponse),
+    },
+    DRA_PLUGIN: _dra(drapb),
+    DRA_PLUGIN_BETA: _dra(drapb_beta),
     POD_RESOURCES: {
         "List": Method(prpb.ListPodResourcesRequest, prpb.ListPodResourcesResponse),
         "GetAllocatableResources": Method(
@@ -71,6 +92,16 @@ def device_plugin_handler(servicer: object) -> grpc.GenericRpcHandler:
 def registration_handler(servicer: object) -> grpc.GenericRpcHandler:
     """Serve `servicer.Register` as v1beta1.Registration (the kubelet side)."""
     return _handler(REGISTRATION, servicer)
+
+
+def handler(service: str, servicer: object) -> grpc.GenericRpcHandler:
+    """Serve `servicer`'s methods as `service`, one of METHODS (DRA mode's services)."""
+    return _handler(service, servicer)
+
+
+def stub(service: str, channel: grpc.Channel) -> "_Stub":
+    """A client of `service` on `channel` (kubelet's side of DRA mode: the tests' stand-in)."""
+    return type("Stub", (_Stub,), {"_service": service})(channel)
 
 
 def pod_resources_handler(servicer: object) -> grpc.GenericRpcHandler:

@@ -13,7 +13,7 @@ from rig.harness import REPO
 API_DIR = os.path.join(REPO, "atedevd", "api")
 
 
-PROTOS = ["deviceplugin.proto", "podresources.proto"]
+PROTOS = ["deviceplugin.proto", "podresources.proto", "dra_v1.proto", "dra_v1beta1.proto", "pluginregistration.proto"]
 
 
 def test_every_proto_is_listed():
