@@ -36,7 +36,9 @@ def _parser():
     run = sub.add_parser("run", help="serve the configured devices to kubelet (what systemd runs)")
     check = sub.add_parser("check", help="can this node serve every configured device? (a table and an exit status)")
     check_config = sub.add_parser("check-config", help="validate the configuration file and exit")
-    for s in (run, check, check_config):
+    classes = sub.add_parser("device-classes", help="print the DRA DeviceClass of each configured resource "
+                                                    "(JSON, for kubectl apply -f -; docs/dra.md)")
+    for s in (run, check, check_config, classes):
         s.add_argument("--config", metavar="FILE", help=f"configuration file (default {config.DEFAULT_CONFIG_PATH})")
     for s in (run, check):
         s.add_argument("--device-plugin-dir", metavar="DIR", help="kubelet's device plugin directory")
@@ -112,6 +114,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         from atedevd.check import report as check
 
         return check.run(cfg, sys.stdout, as_json=args.json)
+    if args.command == "device-classes":
+        import json
+
+        from atedevd.dra.slices import device_class
+
+        items = [device_class(r) for r in dict.fromkeys(d.resource for d in cfg.devices)]
+        print(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2))
+        return 0
     return _run(args, cfg)
 
 
@@ -135,6 +145,22 @@ def _run(args, cfg: config.Config) -> int:
                                    ("sys_root", args.sys_root), ("log_level", args.log_level),
                                    ("metrics_dir", args.metrics_dir)) if v is not None}
     code = EX_RUNTIME
+    if cfg.api == "dra" and parent is not None:  # the daemon that started us serves the device plugin API
+        logging.getLogger("atedevd").error('not taking over: [daemon] api = "dra" takes a restart, not an upgrade '
+                                           '(docs/dra.md); the running atedevd keeps serving')
+        logging.shutdown()
+        os._exit(EX_RUNTIME)
+    if cfg.api == "dra":  # (DRA mode: docs/dra.md)
+        try:
+            from atedevd.dra import node as dra_node
+
+            code = dra_node.run(cfg)
+            restarts.ended_cleanly()
+        except BaseException as e:
+            _log_crash(e)
+        finally:
+            logging.shutdown()
+            os._exit(code)
     try:
         code = Daemon(cfg, args.config or config.DEFAULT_CONFIG_PATH, args.config is not None, overrides,
                       lock_fd, parent).run()

@@ -21,7 +21,7 @@ MIN_COUNT, MAX_COUNT = 1, 65536
 MAX_DEVICE_ID = 63  # kubelet's limit on a device ID
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DAEMON_KEYS = ("device_plugin_dir", "dev_root", "sys_root", "log_level", "metrics_dir", "kubelet_endpoints",
-               "cdi", "cdi_spec_dir", "device_specs")
+               "cdi", "cdi_spec_dir", "device_specs", "api", "kubeconfig", "node_name")
 # [daemon] keys that are true or false (the others are strings, and the command line may give them)
 DAEMON_BOOLS = ("cdi", "device_specs")
 # How kubelet keys a resource's endpoints, which decides how an upgrade registers its successor:
@@ -29,6 +29,10 @@ DAEMON_BOOLS = ("cdi", "device_specs")
 # (kubernetes PR #135437, kubelet 1.37: beside it). "auto": as the kubelet behind kubelet.sock
 # says of itself (atedevd/kubelet/identity.py), per-resource where it says nothing.
 KUBELET_ENDPOINTS = ("auto", "per-resource", "per-socket")
+# Which kubelet API serves the devices (docs/dra.md): the device plugin API, or DRA (Dynamic Resource
+# Allocation: a kubelet plugin that prepares claims, and ResourceSlices published with the node's
+# credentials). Switching is a restart: one node never serves a resource through both.
+APIS = ("device-plugin", "dra")
 DEVICE_KEYS = ("resource", "path", "count", "permissions", "allow_host_access", "companions",
                "container_mode", "container_uid", "container_gid", "host_mode")
 MAX_ID = 4294967294  # a uid or gid (4294967295 is "none" to the kernel)
@@ -136,6 +140,9 @@ class Config(Record):
     cdi_spec_dir: str = "/var/run/cdi"  # the runtimes' dynamic spec directory
     device_specs: bool = True
     devices: Tuple[Device, ...] = DEFAULT_DEVICES
+    api: str = "device-plugin"  # APIS
+    kubeconfig: Optional[str] = None  # DRA mode: the credentials; None: kubelet's own (atedevd/dra/cluster.py)
+    node_name: Optional[str] = None  # DRA mode: None: the name the credentials say they are (system:node:<name>)
     source: Optional[str] = None  # the file read; None for the built-in defaults
 
 

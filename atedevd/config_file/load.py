@@ -17,7 +17,7 @@ import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from atedevd import trust
-from atedevd.config import (DAEMON_BOOLS, DAEMON_KEYS, DEFAULT_DEVICES, DEVICE_KEYS, KUBELET_ENDPOINTS, LOG_LEVELS,
+from atedevd.config import (APIS, DAEMON_BOOLS, DAEMON_KEYS, DEFAULT_DEVICES, DEVICE_KEYS, KUBELET_ENDPOINTS, LOG_LEVELS,
                             MAX_COMPANIONS, MAX_COUNT, MAX_DEVICE_ID, MAX_DEVICES, MAX_FILE_BYTES, MAX_ID, MIN_COUNT,
                             Config, Device, Pattern, host_path, is_pattern, read_regular)
 from atedevd.config_file.lines import Lines, tomllib
@@ -220,6 +220,14 @@ def _check_daemon_value(key: str, value) -> Optional[str]:
             return None
         return (f'must be "auto" (as the kubelet behind kubelet.sock says it is), "per-resource" (kubelet 1.36 '
                 f'and older) or "per-socket" (kubelet with kubernetes PR #135437, 1.37), got {_q(value)}')
+    if key == "api":
+        if value in APIS:
+            return None
+        return f'must be "device-plugin" (the default) or "dra" (Dynamic Resource Allocation), got {_q(value)}'
+    if key == "node_name":
+        if re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", value):
+            return None
+        return f"must be a Kubernetes node name (lower-case letters, digits, '-' and '.'), got {_q(value)}"
     if key == "metrics_dir" and value == "":
         return None  # metrics off
     if "\0" in value:

@@ -211,6 +211,11 @@ class Daemon:
         if cfg.device_plugin_dir != self.cfg.device_plugin_dir:
             event(WARNING, "reload", f"device_plugin_dir cannot change on reload; still using {self.cfg.device_plugin_dir} (restart to change it)")
             cfg = cfg._replace(device_plugin_dir=self.cfg.device_plugin_dir)
+        if cfg.api != self.cfg.api:  # one node never serves a resource through both APIs at once
+            self._perform(self.process.reload_failed(time.monotonic(), (
+                f'[daemon] api = "{cfg.api}" takes a restart (systemctl restart atedevd), and the node drained '
+                f'first (docs/dra.md); still serving through the {self.cfg.api} API')))
+            return
         set_level(cfg.log_level)
         if cfg.metrics_dir != self.cfg.metrics_dir:
             self.metrics = textfile.TextfileWriter(textfile.resolve_dir(cfg.metrics_dir))

@@ -131,7 +131,7 @@ def remove_leftovers(plugin_dir: str, resources: Iterable[str], keep_run: str = 
             continue
         for name in names:
             path = os.path.join(directory, name)
-            if pattern.match(name) and not (own and own in name) and _is_dead_socket(path):
+            if pattern.match(name) and not (own and own in name) and is_dead_socket(path):
                 try:
                     os.unlink(path)
                     removed.append(path)
@@ -153,7 +153,7 @@ def remove_standby_dir(plugin_dir: str) -> bool:
     return True
 
 
-def _is_dead_socket(path: str) -> bool:
+def is_dead_socket(path: str) -> bool:
     """A socket file of ours that nobody listens on (refused; any other error: leave it)."""
     try:
         if not stat.S_ISSOCK(os.lstat(path).st_mode):

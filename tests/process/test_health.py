@@ -220,6 +220,20 @@ def test_invalid_reload_keeps_the_running_config_and_says_so(start_daemon, kubel
     assert wait_until(lambda: "reload failed" not in (d.status() or "reload failed"), 5), d.status()
 
 
+
+def test_a_reload_into_dra_mode_is_refused_and_the_device_plugin_keeps_serving(start_daemon, kubelet, tmp_path):
+    cfg = tmp_path / "c.toml"
+    write(cfg, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
+    d = start_daemon(config=str(cfg))
+    d.wait_ready()
+    assert kubelet.wait_connected(RESOURCE)
+    write(cfg, '[daemon]\napi = "dra"\n[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
+    reload(d)
+    assert wait_until(lambda: "reload failed" in (d.status() or ""), 5), d.status()
+    assert 'api = "dra" takes a restart' in d.log()
+    assert d.proc.poll() is None and kubelet.registration_count(RESOURCE) == 1 and kubelet.capacity(RESOURCE) == 1024
+
+
 # --- the device policy, the node's identity, what stays behind ------------------------------
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")

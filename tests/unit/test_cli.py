@@ -82,3 +82,15 @@ def test_help_and_bad_usage_are_still_argparse(capsys):
         cli.main(["run", "--help"])
     assert e.value.code == 0
     assert "--metrics-dir" in capsys.readouterr().out
+
+
+def test_device_classes_prints_one_class_per_configured_resource(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
+                   '[[device]]\nresource = "example.com/tun"\npath = "/dev/net/tun"\n')
+    assert cli.main(["device-classes", "--config", str(cfg)]) == 0
+    import json
+
+    doc = json.loads(capsys.readouterr().out)
+    assert [(c["metadata"]["name"], c["spec"]["extendedResourceName"]) for c in doc["items"]] == [
+        ("kvm.ate.dev", "ate.dev/kvm"), ("tun.example.com", "example.com/tun")]

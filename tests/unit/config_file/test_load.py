@@ -693,3 +693,14 @@ def test_allow_host_access_must_be_a_boolean(tmp_path):
 def test_an_absent_node_is_not_judged_at_config_time(tmp_path):
     cfg = loader.load(write(tmp_path, f'[daemon]\ndev_root = "{tmp_path}/dev"\n' + device(**KVM)))
     assert cfg.devices == (Device("ate.dev/kvm", "/dev/kvm"),)
+
+
+def test_dra_mode_keys_are_read_and_a_wrong_value_is_named(tmp_path):
+    cfg = loader.load(write(tmp_path, '[daemon]\napi = "dra"\nkubeconfig = "/etc/kubernetes/kubelet.conf"\n'
+                                      'node_name = "worker-1.example"\n'), required=True)
+    assert (cfg.api, cfg.kubeconfig, cfg.node_name) == ("dra", "/etc/kubernetes/kubelet.conf", "worker-1.example")
+    assert loader.load(write(tmp_path, ""), required=True).api == "device-plugin"
+    api, kubeconfig, node = errors(tmp_path, '[daemon]\napi = "DRA"\nkubeconfig = "kubelet.conf"\nnode_name = "Worker_1"\n')
+    assert api.startswith(':2: [daemon] api: must be "device-plugin" (the default) or "dra"') and 'got "DRA"' in api
+    assert kubeconfig.startswith(":3: [daemon] kubeconfig: must be an absolute path")
+    assert node.startswith(":4: [daemon] node_name: must be a Kubernetes node name")

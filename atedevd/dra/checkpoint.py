@@ -1,0 +1,45 @@
+"""The prepared claims on disk: one JSON file beside the plugin's socket, replaced whole and
+synced before kubelet is answered, so that a restart, a crash or an upgrade knows every claim
+that was prepared (atedevd/dra/claims.py decides what it holds)."""
+
+import json
+import os
+from typing import Optional, Tuple
+
+FILE = "claims.json"
+
+
+def read(directory: str) -> Tuple[Optional[object], str]:
+    """(the document, "") or (None, why it could not be read); (None, "") when there is none."""
+    path = os.path.join(directory, FILE)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(16 << 20)
+    except FileNotFoundError:
+        return None, ""
+    except OSError as e:
+        return None, f"{path}: {e.strerror or e}"
+    try:
+        return json.loads(raw.decode()), ""
+    except (UnicodeDecodeError, ValueError) as e:
+        return None, f"{path}: not JSON ({e})"
+
+
+def write(directory: str, doc: dict) -> None:
+    """Replace the checkpoint with `doc`, durably: a temporary file, synced, renamed over it,
+    and the directory synced. Raises OSError."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    tmp = os.path.join(directory, f".{FILE}.{os.getpid()}.tmp")
+    data = json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, os.path.join(directory, FILE))
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

@@ -1,0 +1,221 @@
+"""DRA mode (`[daemon] api = "dra"`), the daemon as a process, the way systemd runs it, against
+the DRA side of a kubelet stand-in (rig/dra_kubelet.py) and an API server stand-in
+(rig/apiserver_standin.py): registration through plugins_registry, the node's ResourceSlice
+published with the node's credentials and published again after kubelet wipes it, claims
+prepared from their allocation and checked, kept across a stop and a kill -9, and answered from
+the checkpoint while the API server is down."""
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+
+import pytest
+
+from atedevd.cdi import files as cdi_files
+from atedevd.dra import checkpoint
+from rig.apiserver_standin import ApiServerStandIn
+from rig.dra_kubelet import DraKubelet
+from rig.harness import DaemonUnderTest, fake_dev_root, wait_until, write_file
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="CDI specs are written only to a directory root alone may write")
+pytestmark = root_only
+
+NODE = "node-a"
+KVM_ID = "ate.dev/kvm=kvm"
+
+
+@pytest.fixture
+def tmp_path():
+    """A short directory: the sockets' paths must fit a unix socket's 107 bytes."""
+    import pathlib
+
+    d = tempfile.mkdtemp(prefix="dra", dir="/tmp")
+    yield pathlib.Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def api():
+    a = ApiServerStandIn(NODE)
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def node(tmp_path, api):
+    """A node's directories: kubelet's root, a dev root with /dev/kvm, the CDI spec directory."""
+    root = tmp_path / "kubelet"
+    os.makedirs(root / "device-plugins")
+    os.makedirs(tmp_path / "cdi", mode=0o755)
+    fake_dev_root(str(tmp_path / "dev"), ("kvm",))
+    kubelet = DraKubelet(str(root), api)
+    yield kubelet
+    kubelet.close()
+
+
+def dra_config(tmp_path, api, extra="", devices=""):
+    kubeconfig = api.kubeconfig(str(tmp_path / "kubeconfig.json"))
+    return write_file(tmp_path / "c.toml", f'[daemon]\napi = "dra"\nkubeconfig = "{kubeconfig}"\n'
+                                           f'cdi_spec_dir = "{tmp_path / "cdi"}"\n{extra}{devices}')
+
+
+def start(tmp_path, api, **kwargs):
+    return DaemonUnderTest(str(tmp_path / "run"), str(tmp_path / "kubelet" / "device-plugins"), str(tmp_path / "dev"),
+                           config=kwargs.pop("config", None) or dra_config(tmp_path, api), **kwargs)
+
+
+def published(api, timeout=10.0):
+    assert wait_until(lambda: api.node_slices(), timeout), "no ResourceSlice published"
+    return api.node_slices()
+
+
+def test_registers_publishes_the_node_slice_and_prepares_a_claim_from_its_allocation(tmp_path, api, node):
+    d = start(tmp_path, api)
+    try:
+        d.wait_ready()
+        instance = node.wait_registered()
+        assert instance.chosen == "v1.DRAPlugin"
+        slices = published(api)
+        assert len(slices) == 1
+        spec = slices[0]["spec"]
+        assert (spec["driver"], spec["nodeName"], spec["pool"]["name"]) == ("ate.dev", NODE, NODE)
+        assert spec["pool"]["resourceSliceCount"] == 1 and isinstance(spec["pool"]["generation"], int)
+        assert spec["devices"] == [{"name": "kvm", "allowMultipleAllocations": True,
+                                    "attributes": {"resource": {"string": "ate.dev/kvm"}, "path": {"string": "/dev/kvm"}}}]
+        assert slices[0]["metadata"]["ownerReferences"][0]["uid"] == api.node_uid
+
+        api.add_claim("ns", "pod-a-kvm", "uid-a", [{"request": "kvm", "driver": "ate.dev", "pool": NODE, "device": "kvm",
+                                                   "shareID": "share-1"}])
+        answer = node.prepare([("ns", "pod-a-kvm", "uid-a")])
+        assert answer["uid-a"].error == ""
+        [device] = answer["uid-a"].devices
+        assert (list(device.request_names), device.pool_name, device.device_name, list(device.cdi_device_ids),
+                device.share_id) == (["kvm"], NODE, "kvm", [KVM_ID], "share-1")
+        assert KVM_ID in cdi_files.resolvable(str(tmp_path / "cdi")), "the CDI name answered is not on disk"
+        gets = api.claim_gets
+        again = node.prepare([("ns", "pod-a-kvm", "uid-a")])  # kubelet asks again: the same answer, from the book
+        assert list(again["uid-a"].devices[0].cdi_device_ids) == [KVM_ID] and api.claim_gets == gets
+        doc, why = checkpoint.read(str(tmp_path / "kubelet" / "plugins" / "ate.dev"))
+        assert why == "" and list(doc["claims"]) == ["uid-a"]
+
+        assert node.unprepare([("ns", "pod-a-kvm", "uid-a")])["uid-a"].error == ""
+        assert node.unprepare([("ns", "pod-a-kvm", "uid-a")])["uid-a"].error == ""  # twice: still success
+        doc, _ = checkpoint.read(str(tmp_path / "kubelet" / "plugins" / "ate.dev"))
+        assert doc["claims"] == {}
+        assert "registered with kubelet" in d.status() and "0 claim(s) prepared" in d.status()
+    finally:
+        assert d.stop() == 0
+    assert not os.listdir(tmp_path / "kubelet" / "plugins_registry"), "the registration socket outlived the stop"
+
+
+def test_a_claim_is_refused_with_a_reason_when_its_allocation_is_not_this_node_s(tmp_path, api, node):
+    d = start(tmp_path, api)
+    try:
+        d.wait_ready()
+        node.wait_registered()
+        published(api)
+        api.add_claim("ns", "remade", "uid-new", [{"request": "r", "driver": "ate.dev", "pool": NODE, "device": "kvm"}])
+        api.add_claim("ns", "elsewhere", "uid-e", [{"request": "r", "driver": "ate.dev", "pool": "node-b", "device": "kvm"}])
+        api.add_claim("ns", "unknown", "uid-u", [{"request": "r", "driver": "ate.dev", "pool": NODE, "device": "tun"}])
+        answer = node.prepare([("ns", "remade", "uid-old"), ("ns", "elsewhere", "uid-e"), ("ns", "unknown", "uid-u"),
+                               ("ns", "missing", "uid-m")])
+        assert "its UID is 'uid-new'" in answer["uid-old"].error and not answer["uid-old"].devices
+        assert "of pool 'node-b'" in answer["uid-e"].error
+        assert "'tun' is not one this node serves" in answer["uid-u"].error
+        assert "404" in answer["uid-m"].error
+        doc, _ = checkpoint.read(str(tmp_path / "kubelet" / "plugins" / "ate.dev"))
+        assert doc is None, "a refused claim was checkpointed"
+    finally:
+        d.stop()
+
+
+def test_a_wiped_slice_is_published_again_with_a_higher_generation_and_nothing_churns_meanwhile(tmp_path, api, node):
+    d = start(tmp_path, api)
+    try:
+        d.wait_ready()
+        node.wait_registered()
+        first = published(api)[0]["spec"]["pool"]["generation"]
+        time.sleep(1.0)
+        writes = len(api.writes)
+        assert writes == 1, f"slices written while nothing changed: {api.writes}"
+        backs = []
+        for _ in range(3):
+            wiped_at = time.monotonic()
+            assert node.start_anew() == 1
+            assert wait_until(lambda: api.node_slices(), 10.0), "the wiped slice was not published again"
+            backs.append((api.writes[-1][0] - wiped_at) * 1000)
+            node.wait_registered(after=wiped_at)
+        generation = api.node_slices()[0]["spec"]["pool"]["generation"]
+        assert generation > first
+        print(f"\nslice wiped -> published again: {', '.join(f'{b:.1f}' for b in backs)} ms")
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_prepared_claim_is_answered_after_a_stop_or_a_kill_while_the_api_server_is_down(tmp_path, api, node, how):
+    d = start(tmp_path, api)
+    d.wait_ready()
+    node.wait_registered()
+    published(api)
+    api.add_claim("ns", "c", "uid-c", [{"request": "kvm", "driver": "ate.dev", "pool": NODE, "device": "kvm"}])
+    assert list(node.prepare([("ns", "c", "uid-c")])["uid-c"].devices[0].cdi_device_ids) == [KVM_ID]
+    rc = d.stop(how)
+    assert rc == (0 if how == signal.SIGTERM else -signal.SIGKILL)
+    assert KVM_ID in cdi_files.resolvable(str(tmp_path / "cdi")), "the CDI spec went with the daemon"
+    api.down = True
+    stopped_at = time.monotonic()
+    d2 = start(tmp_path, api)
+    try:
+        d2.wait_ready()
+        node.wait_registered(after=stopped_at)
+        answer = node.prepare([("ns", "c", "uid-c")])
+        assert answer["uid-c"].error == "" and list(answer["uid-c"].devices[0].cdi_device_ids) == [KVM_ID]
+        assert wait_until(lambda: "slices not published" in (d2.status() or ""), 10.0), d2.status()
+        # A new claim needs the API server: its prepare waits for it (kubelet tries a failed prepare
+        # again only a minute or more later), and is answered once the server is back.
+        api.add_claim("ns", "other", "uid-o", [{"request": "kvm", "driver": "ate.dev", "pool": NODE, "device": "kvm"}])
+        answers = {}
+        asked = threading.Thread(target=lambda: answers.update(node.prepare([("ns", "other", "uid-o")])))
+        asked.start()
+        time.sleep(1.0)
+        assert asked.is_alive(), f"answered while the API server was down: {answers}"
+        api.down = False
+        asked.join(40)
+        assert answers["uid-o"].error == "" and list(answers["uid-o"].devices[0].cdi_device_ids) == [KVM_ID]
+        assert wait_until(lambda: "device(s) published" in (d2.status() or ""), 30.0), d2.status()
+        assert len(node.instances) == 1, "the killed run's instance is still registered"
+    finally:
+        d2.stop()
+
+
+def test_a_bad_api_value_is_a_configuration_error_and_no_restart_loop(tmp_path, api):
+    os.makedirs(tmp_path / "kubelet" / "device-plugins")
+    fake_dev_root(str(tmp_path / "dev"), ("kvm",))
+    cfg = write_file(tmp_path / "bad.toml", '[daemon]\napi = "DRA"\n')
+    d = start(tmp_path, api, config=cfg)
+    assert d.wait(20) == 78
+    assert 'api: must be "device-plugin" (the default) or "dra"' in d.log()
+    d.close()
+
+
+def test_a_sighup_with_a_bad_file_changes_nothing_and_with_a_good_one_exits_for_systemd_to_restart(tmp_path, api, node):
+    cfg = dra_config(tmp_path, api)
+    d = start(tmp_path, api, config=cfg)
+    try:
+        d.wait_ready()
+        node.wait_registered()
+        good = open(cfg).read()
+        write_file(cfg, good + "color = 1\n")
+        d.send(signal.SIGHUP)
+        assert wait_until(lambda: "configuration not applied, still serving as before" in d.log(), 10), d.log()
+        assert d.proc.poll() is None and len(node.instances) == 1
+        write_file(cfg, good)
+        d.send(signal.SIGHUP)
+        assert d.wait(10) == 0  # Restart=always starts it again with the file
+        assert "restarting to apply the configuration" in d.log()
+    finally:
+        d.close()
