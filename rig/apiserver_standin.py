@@ -12,6 +12,7 @@ and `down` refuses every connection's request with 503.
 
 import json
 import re
+import socket
 import threading
 import time
 import urllib.parse
@@ -49,7 +50,7 @@ _NODE = re.compile(r"/api/v1/nodes/([^/]+)")
 
 
 class ApiServerStandIn:
-    def __init__(self, node: str = "node-a") -> None:
+    def __init__(self, node: str = "node-a", port: int = 0) -> None:
         self.node = node
         self.lock = threading.Condition()
         self.version = 1
@@ -61,7 +62,7 @@ class ApiServerStandIn:
         self.slow_s = 0.0
         self.down = False
         self.node_uid = "0b9d5c1e-node-uid"
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         threading.Thread(target=self._server.serve_forever, name="apiserver-standin", daemon=True).start()
@@ -123,10 +124,16 @@ class ApiServerStandIn:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.0"
+            protocol_version = "HTTP/1.1"  # connections kept, as a client of the real server keeps them
 
             def log_message(self, *args) -> None:
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                # headers and body go out as two writes: without this a kept connection waits
+                # 40 ms for the client's delayed ACK (Nagle), which no real API server makes one wait
+                self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
             def _send(self, code: int, doc: dict) -> None:
                 body = json.dumps(doc).encode()
@@ -215,8 +222,7 @@ class ApiServerStandIn:
                                             "metadata": {"resourceVersion": str(version)}, "items": items})
                 since = int(query.get("resourceVersion") or 0)
                 deadline = time.monotonic() + float(query.get("timeoutSeconds") or 30)
-                self.protocol_version = "HTTP/1.1"  # a stream of chunks, one per event, as the real server's
-                self.close_connection = True
+                self.close_connection = True  # a stream of chunks, one per event, as the real server's
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Transfer-Encoding", "chunked")
@@ -279,3 +285,28 @@ class ApiServerStandIn:
                 self._route("DELETE")
 
         return Handler
+
+
+def main(argv=None) -> int:
+    """`serve`: the stand-in as a process (under systemd in the container tests), its kubeconfig
+    written with the node's credentials, and each `--claim NS/NAME/UID` allocated the node's kvm."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="apiserver_standin.py")
+    p.add_argument("command", choices=["serve"])
+    p.add_argument("--node", default="node-a")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--kubeconfig", required=True)
+    p.add_argument("--claim", action="append", default=[])
+    args = p.parse_args(argv)
+    api = ApiServerStandIn(args.node, args.port)
+    for c in args.claim:
+        namespace, name, uid = c.split("/")
+        api.add_claim(namespace, name, uid, [{"request": "kvm", "driver": "ate.dev", "pool": args.node, "device": "kvm"}])
+    api.kubeconfig(args.kubeconfig)
+    threading.Event().wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

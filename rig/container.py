@@ -103,7 +103,9 @@ class RootfsSpec:
 
 
 # For the service tests: the runtime installed, the project copied in from the working tree.
-FULL = RootfsSpec("full", BASE_PACKAGES + RUNTIME_PACKAGES)
+# DRA mode's client, which the .deb recommends: the unit's DRA drop-in is tested with it.
+DRA_PACKAGES = ("python3-kubernetes",)
+FULL = RootfsSpec("full", BASE_PACKAGES + RUNTIME_PACKAGES + DRA_PACKAGES)
 # For the install tests: a node without atedevd's dependencies; apt resolves them from its
 # cache (downloaded when the rootfs was built), so installing the .deb proves its Depends.
 CLEAN = RootfsSpec("clean", BASE_PACKAGES, download=RUNTIME_PACKAGES)
@@ -523,7 +525,7 @@ def install_project(node: Container) -> None:
 
 
 def install_test_helpers(node: Container) -> None:
-    for helper in ("kubelet_standin.py", "kubelet_model.py", "node_agent.py"):
+    for helper in ("kubelet_standin.py", "kubelet_model.py", "node_agent.py", "apiserver_standin.py", "dra_kubelet.py"):
         node.copy_in(RIG / helper, f"{TEST_LIB}/{helper}")
     for helper in RIG.glob("container_*.py"):
         node.copy_in(helper, f"{TEST_LIB}/{helper.name}")

@@ -133,3 +133,29 @@ class DraKubelet:
         stub = service.stub(svc, grpc.insecure_channel("unix:" + info.endpoint))
         with self._lock:
             self.instances.append(Instance(path, info.endpoint, version, stub, pb))
+
+
+def main(argv=None) -> int:
+    """`prepare NS NAME UID`: once, as kubelet does it, against the plugins under `--root`
+    (registration, then NodePrepareResources); the answer printed as JSON (the container tests)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="dra_kubelet.py")
+    p.add_argument("command", choices=["prepare"])
+    p.add_argument("--root", default="/var/lib/kubelet")
+    p.add_argument("claim", nargs=3, metavar=("NAMESPACE", "NAME", "UID"))
+    args = p.parse_args(argv)
+    k = DraKubelet(args.root)
+    try:
+        instance = k.wait_registered(30)
+        answer = k.prepare([tuple(args.claim)])[args.claim[2]]
+        print(json.dumps({"service": instance.chosen, "error": answer.error,
+                          "cdi": [i for d in answer.devices for i in d.cdi_device_ids]}))
+    finally:
+        k.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,6 +15,7 @@ changes. An API server out of reach delays the slices and new claims; it never s
 prepare kubelet already holds, nor the start.
 """
 
+import errno
 import logging
 import os
 import select
@@ -43,6 +44,7 @@ RETRY_FIRST_S, RETRY_MOST_S = 0.5, 10.0  # the publisher's back-off when the API
 # again only by its pod sync's back-off, a minute or more later (measured on 1.37).
 PREPARE_WAIT_S = 30.0
 EX_RUNTIME = 1
+EX_CONFIG = 78  # the unit does not restart: the sandbox or the file must change first
 
 
 _SAID: set = set()
@@ -365,7 +367,15 @@ class DraNode:
         signal.set_wakeup_fd(wake_w)  # (a signal's byte wakes the loop's select)
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, self._on_signal)
-        self.start()
+        try:
+            self.start()
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            say(ERROR, "serve-failed", f"cannot serve DRA sockets in {self.root}: {e.strerror or e} ({e.filename or ''}); "
+                "under atedevd.service DRA mode needs the drop-in dra.conf (docs/dra.md), which makes kubelet's plugin "
+                "directories writable and lets it reach the API server")
+            return EX_CONFIG
         assert self.server is not None
         next_dog = 0.0
         while True:
@@ -383,6 +393,7 @@ class DraNode:
                 next_dog = now + self.notifier.watchdog_interval
             self._look()
             self.specs.wake(now)
+            self._status()  # (the claims prepared since; said only when the line changed)
             gone = self.server.missing()
             if gone:
                 say(WARNING, "dra-socket", f"{gone} was removed or replaced by someone else; serving on new sockets")

@@ -10,6 +10,7 @@ endpoints, and a file left by a killed run is removed at the next start, which t
 that instance is gone.
 """
 
+import errno
 import logging
 import os
 from concurrent import futures
@@ -134,8 +135,10 @@ class DraSockets:
     def start(self) -> None:
         """The service socket first, then the registration socket: kubelet dials the service as
         soon as it has registered us."""
-        os.makedirs(os.path.dirname(self.service_path), mode=0o750, exist_ok=True)
-        os.makedirs(os.path.dirname(self.registration_path), mode=0o750, exist_ok=True)
+        for directory in (os.path.dirname(self.service_path), os.path.dirname(self.registration_path)):
+            os.makedirs(directory, mode=0o750, exist_ok=True)
+            if not os.access(directory, os.W_OK):  # (a read-only view: gRPC's bind would fail without saying why)
+                raise OSError(errno.EROFS, "not writable here", directory)
         for path in (self.service_path, self.registration_path):
             if os.path.lexists(path):
                 os.unlink(path)  # (this run's own name: nobody else's)

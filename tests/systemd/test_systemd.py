@@ -524,3 +524,66 @@ def test_the_let_go_wait_sees_kubelets_connection_from_inside_the_sandbox(clean)
             break
     else:
         raise AssertionError("in no let-go wait did the count see kubelet's connection:\n" + "\n".join(texts))
+
+
+# --- DRA mode under the unit ---------------------------------------------------------------------
+
+DRA_API = "kube-apiserver-standin"
+DRA_PORT = 6443
+
+
+def test_dra_mode_needs_the_drop_in_and_with_it_registers_publishes_and_prepares(clean):
+    """[daemon] api = "dra": without the drop-in the sandbox keeps kubelet's plugin directories
+    read-only and the unit fails once, saying so (exit 78, no restart loop); with
+    systemd/atedevd.service.d/dra.conf.example the daemon reaches the API server stand-in with the
+    kubeconfig, publishes the node's slice, registers in plugins_registry and prepares a claim."""
+    node = clean
+    kubeconfig = "/etc/atedevd/kubeconfig.json"
+    node.run("mkdir", "-p", "/etc/atedevd")
+    node.run("systemd-run", f"--unit={DRA_API}", "--", "/usr/bin/python3", f"{TEST_LIB}/apiserver_standin.py", "serve",
+             "--node", "node-a", "--port", str(DRA_PORT), "--kubeconfig", kubeconfig, "--claim", "ns/pod-kvm/uid-1")
+    try:
+        wait_until(lambda: node.run("test", "-s", kubeconfig, check=False).returncode == 0, 30, "the API stand-in",
+                   lambda: node.journal("-u", DRA_API, "-n", "30"))
+        node.write(CONFIG, f'[daemon]\napi = "dra"\nkubeconfig = "{kubeconfig}"\n')
+        node.run("rm", "-rf", "/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins")
+
+        cur = cursor(node)
+        node.systemctl("start", "atedevd", check=False)
+        wait_until(lambda: node.show("atedevd", "Result")["Result"] == "exit-code", 30, "the unit to fail once",
+                   lambda: journal_since(node, cur, "-u", "atedevd"))
+        text = journal_since(node, cur, "-u", "atedevd")
+        assert "needs the drop-in dra.conf" in text, text
+        assert node.show("atedevd", "ExecMainStatus")["ExecMainStatus"] == "78"
+        assert node.show("atedevd", "NRestarts")["NRestarts"] == "0"
+
+        dropin(node, "dra", (REPO_ROOT / "systemd/atedevd.service.d/dra.conf.example").read_text())
+        node.systemctl("reset-failed", "atedevd", check=False)
+        node.systemctl("start", "atedevd")
+        status = node.show("atedevd", "StatusText")["StatusText"]
+        assert status.startswith("DRA: "), status
+
+        def slices():
+            p = node.run("python3", "-c", f"""
+import json, urllib.request
+r = urllib.request.Request("http://127.0.0.1:{DRA_PORT}/apis/resource.k8s.io/v1/resourceslices",
+                           headers={{"Authorization": "Bearer node-node-a"}})
+print(json.dumps(json.load(urllib.request.urlopen(r))["items"]))""", check=False)
+            return json.loads(p.stdout) if p.returncode == 0 and p.stdout.strip() else []
+        wait_until(lambda: slices(), 30, "the node's slice", lambda: journal_since(node, cur, "-u", "atedevd"))
+        assert [d["name"] for d in slices()[0]["spec"]["devices"]] == ["kvm"]
+
+        p = node.run("/usr/bin/python3", f"{TEST_LIB}/dra_kubelet.py", "prepare", "ns", "pod-kvm", "uid-1", timeout=90)
+        answer = json.loads(p.stdout.strip().splitlines()[-1])
+        assert answer == {"service": "v1.DRAPlugin", "error": "", "cdi": ["ate.dev/kvm=kvm"]}, answer
+        assert node.run("test", "-f", "/run/cdi/atedevd-ate.dev_kvm.json", check=False).returncode == 0
+        assert node.run("test", "-f", "/var/lib/kubelet/plugins/ate.dev/claims.json", check=False).returncode == 0
+        wait_until(lambda: "1 claim(s) prepared" in node.show("atedevd", "StatusText")["StatusText"], 10,
+                   "the status line to count the claim", lambda: str(node.show("atedevd", "StatusText")))
+        node.systemctl("stop", "atedevd")
+        assert node.run("sh", "-c", "ls /var/lib/kubelet/plugins_registry").stdout.strip() == ""
+    finally:
+        node.systemctl("stop", "atedevd", check=False)
+        node.systemctl("stop", DRA_API, check=False)
+        node.systemctl("reset-failed", DRA_API, check=False)
+        node.run("rm", "-rf", "/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/run/cdi")
