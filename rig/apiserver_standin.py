@@ -62,6 +62,8 @@ class ApiServerStandIn:
         self.slow_s = 0.0
         self.down = False
         self.node_uid = "0b9d5c1e-node-uid"
+        self.node_status: dict = {"allocatable": {}, "nodeInfo": {"kubeletVersion": "v1.37.2"}}
+        self.device_classes: Dict[str, dict] = {}
         self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
@@ -153,10 +155,12 @@ class ApiServerStandIn:
                 return f"system:node:{token[5:]}" if token.startswith("node-") else ""
 
             def _body(self) -> dict:
-                n = int(self.headers.get("Content-Length") or 0)
-                return json.loads(self.rfile.read(n).decode() or "{}")
+                return json.loads(self._payload.decode() or "{}")
 
             def _route(self, method: str) -> None:
+                # read whole before anything is answered: on a kept connection what is left unread is
+                # taken for the next request
+                self._payload = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if server.slow_s:
                     time.sleep(server.slow_s)
                 if server.down:
@@ -176,8 +180,13 @@ class ApiServerStandIn:
                 if m and method == "GET":
                     if m.group(1) != server.node:
                         return self._status(404, "NotFound", f'nodes "{m.group(1)}" not found')
-                    return self._send(200, {"apiVersion": "v1", "kind": "Node",
+                    return self._send(200, {"apiVersion": "v1", "kind": "Node", "status": server.node_status,
                                             "metadata": {"name": server.node, "uid": server.node_uid}})
+                if method == "GET" and path.startswith("/apis/resource.k8s.io/v1/deviceclasses/"):
+                    dc = server.device_classes.get(path.rsplit("/", 1)[1])
+                    if dc is None:
+                        return self._status(404, "NotFound", f'deviceclasses "{path.rsplit("/", 1)[1]}" not found')
+                    return self._send(200, dc)
                 m = _CLAIM.fullmatch(path)
                 if m and method == "GET":
                     with server.lock:

@@ -103,6 +103,8 @@ def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]], runtimes:
     from atedevd.check import runtimes as runtime_files  # only for `check`
 
     report = NodeReport(cfg.source, cfg.dev_root, cfg.device_plugin_dir)
+    if cfg.api == "dra":
+        cfg = cfg._replace(cdi=True, device_specs=False)  # DRA grants through CDI alone
     found = (runtimes or runtime_files.read)()
     for r in found:
         for problem in r.problems:  # what the verdicts below could not take into account
@@ -114,6 +116,13 @@ def collect(cfg: Config, unit: Callable[[], Optional[Dict[str, str]]], runtimes:
     for resource, status, line in host_access_findings(cfg) + pattern_findings(cfg):
         report.add("device-policy", resource, status, line)
     plugin_dir = cfg.device_plugin_dir
+    if cfg.api == "dra":  # kubelet's device-plugin side is not ours in this mode
+        from atedevd.check import dra
+
+        props = unit()
+        dra.add(cfg, report, props, sandbox_state)
+        pod_checks.spec_dir(cfg, props, report)
+        return report
     report.add("plugin-dir", plugin_dir, OK, _dir_state(plugin_dir))  # missing: the daemon waits for it
     props = unit()
     sandbox_ok, sandbox_text = sandbox_state(plugin_dir, props)
@@ -501,7 +510,8 @@ def unit_properties() -> Optional[Dict[str, str]]:
     if shutil.which("systemctl") is None:
         return None
     try:
-        p = subprocess.run(["systemctl", "show", UNIT, "-p", "LoadState", "-p", "ProtectSystem", "-p", "ReadWritePaths"],
+        p = subprocess.run(["systemctl", "show", UNIT, "-p", "LoadState", "-p", "ProtectSystem", "-p", "ReadWritePaths",
+                            "-p", "PrivateNetwork", "-p", "RestrictAddressFamilies"],
                            capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None

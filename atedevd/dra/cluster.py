@@ -102,8 +102,14 @@ class KubeApi:
         return str(out.to_dict().get("status", {}).get("userInfo", {}).get("username", ""))
 
     def node_uid(self, node: str) -> str:
-        out = self._call(f"the Node {node}", lambda: self._resource("v1", "Node").get(name=node))
-        return str(out.metadata.uid)
+        return str((self.node(node).get("metadata") or {}).get("uid") or "")
+
+    def node(self, node: str) -> dict:
+        return self._call(f"the Node {node}", lambda: self._resource("v1", "Node").get(name=node)).to_dict()
+
+    def device_class(self, name: str) -> dict:
+        return self._call(f"DeviceClass {name}", lambda: self._resource(
+            "resource.k8s.io/v1", "DeviceClass").get(name=name)).to_dict()
 
     def claim(self, namespace: str, name: str) -> dict:
         out = self._call(f"ResourceClaim {namespace}/{name}", lambda: self._resource(

@@ -219,3 +219,24 @@ def test_a_sighup_with_a_bad_file_changes_nothing_and_with_a_good_one_exits_for_
         assert "restarting to apply the configuration" in d.log()
     finally:
         d.close()
+
+
+def test_an_unplugged_device_leaves_the_slice_and_comes_back_when_plugged_with_the_generation_raised(tmp_path, api, node):
+    d = start(tmp_path, api)
+    try:
+        d.wait_ready()
+        node.wait_registered()
+        first = published(api)[0]["spec"]["pool"]["generation"]
+        os.unlink(tmp_path / "dev" / "kvm")
+        assert wait_until(lambda: api.node_slices() and api.node_slices()[0]["spec"]["devices"] == [], 10), \
+            api.node_slices()
+        gone = api.node_slices()[0]["spec"]["pool"]["generation"]
+        api.add_claim("ns", "late", "uid-l", [{"request": "kvm", "driver": "ate.dev", "pool": NODE, "device": "kvm"}])
+        assert "is not one this node serves now" in node.prepare([("ns", "late", "uid-l")])["uid-l"].error
+        os.symlink("/dev/null", tmp_path / "dev" / "kvm")
+        assert wait_until(lambda: [x["name"] for x in api.node_slices()[0]["spec"]["devices"]] == ["kvm"], 10)
+        back = api.node_slices()[0]["spec"]["pool"]["generation"]
+        assert first < gone < back
+        assert node.prepare([("ns", "late", "uid-l")])["uid-l"].error == ""
+    finally:
+        d.stop()

@@ -528,6 +528,12 @@ def test_the_let_go_wait_sees_kubelets_connection_from_inside_the_sandbox(clean)
 
 # --- DRA mode under the unit ---------------------------------------------------------------------
 
+def dra_findings(node) -> dict:
+    """`atedevd check --json`'s DRA findings, by (check, subject)."""
+    doc = json.loads(node.run("atedevd", "check", "--json", check=False).stdout)
+    return {(f["check"], f["subject"]): f for f in doc["findings"] if f["check"].startswith("dra-")}
+
+
 DRA_API = "kube-apiserver-standin"
 DRA_PORT = 6443
 
@@ -556,6 +562,9 @@ def test_dra_mode_needs_the_drop_in_and_with_it_registers_publishes_and_prepares
         assert "needs the drop-in dra.conf" in text, text
         assert node.show("atedevd", "ExecMainStatus")["ExecMainStatus"] == "78"
         assert node.show("atedevd", "NRestarts")["NRestarts"] == "0"
+        found = dra_findings(node)
+        assert {f["status"] for s, f in found.items() if s[0] == "dra-sandbox"} == {"problem"}, found
+        assert "dra.conf" in found[("dra-sandbox", "network")]["fix"]
 
         dropin(node, "dra", (REPO_ROOT / "systemd/atedevd.service.d/dra.conf.example").read_text())
         node.systemctl("reset-failed", "atedevd", check=False)
@@ -580,6 +589,9 @@ print(json.dumps(json.load(urllib.request.urlopen(r))["items"]))""", check=False
         assert node.run("test", "-f", "/var/lib/kubelet/plugins/ate.dev/claims.json", check=False).returncode == 0
         wait_until(lambda: "1 claim(s) prepared" in node.show("atedevd", "StatusText")["StatusText"], 10,
                    "the status line to count the claim", lambda: str(node.show("atedevd", "StatusText")))
+        found = dra_findings(node)
+        assert {f["status"] for s, f in found.items() if s[0] == "dra-sandbox"} == {"ok"}, found
+        assert found[("dra-slices", "node-a")]["status"] == "ok", found
         node.systemctl("stop", "atedevd")
         assert node.run("sh", "-c", "ls /var/lib/kubelet/plugins_registry").stdout.strip() == ""
     finally:
