@@ -169,12 +169,14 @@ class Publisher:
         existing, _ = c.slices(self.node, DRIVER)
         on_server = {str((s.get("metadata") or {}).get("name")): s for s in existing}
         generations = [int(((s.get("spec") or {}).get("pool") or {}).get("generation") or 0) for s in existing]
+        # The pool's generation never goes back: an earlier run's, or what the server holds, is where it stands.
+        self.generation = max([self.generation] + generations)
         docs = slices(self.node, self.node_uid, wanted, self.generation)
         if len(on_server) == len(docs) and all(d["metadata"]["name"] in on_server and
                                                same_content(on_server[d["metadata"]["name"]], d) for d in docs):
             self.published = wanted
             return
-        self.generation = max([self.generation] + generations) + 1
+        self.generation += 1
         if self.published is not None:
             self.republished += 1
         for d in slices(self.node, self.node_uid, wanted, self.generation):
@@ -202,6 +204,9 @@ class Publisher:
                 continue
             try:
                 _, version = c.slices(node, DRIVER)
+                # What changed between the last watch's end and this list no watch will say: the
+                # publisher looks (a list; nothing is written where nothing differs).
+                self._poke.set()
                 for kind in c.watch_slices(node, DRIVER, version):
                     if kind in ("DELETED", "MODIFIED", "ADDED"):
                         self._poke.set()

@@ -153,6 +153,19 @@ def test_a_wiped_slice_is_published_again_with_a_higher_generation_and_nothing_c
         print(f"\nslice wiped -> published again: {', '.join(f'{b:.1f}' for b in backs)} ms")
     finally:
         d.stop()
+    # A new run finds the slice as it wants it (nothing written) and carries its generation on:
+    # after the next wipe the pool's generation is higher than any before, never back at 1.
+    writes = len(api.writes)
+    d = start(tmp_path, api)
+    try:
+        d.wait_ready()
+        assert wait_until(lambda: "device(s) published" in (d.status() or ""), 10), d.status()
+        assert len(api.writes) == writes, api.writes[writes:]
+        node.start_anew()
+        assert wait_until(lambda: api.node_slices(), 10)
+        assert api.node_slices()[0]["spec"]["pool"]["generation"] == generation + 1
+    finally:
+        d.stop()
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
