@@ -274,6 +274,11 @@ class DraNode:
                     return {"error": str(e)}  # (a claim that is not there, or not ours to read: no wait helps)
                 time.sleep(0.2)
         devices, why = allocated(claim, ref, pool, self.devices)
+        held = [(p.device_name, self.book.sharing(p.device_name)) for p in devices or ()
+                if not self.devices[p.device_name].shared and self.book.sharing(p.device_name)]
+        if held:  # a pattern unit is one container's: the scheduler never allocates it twice, nor do we
+            devices, why = None, (f"claim {ref.namespace}/{ref.name}: device {held[0][0]} is prepared for claim "
+                                  f"{held[0][1][0]} already, and is one claim's at a time")
         if devices is None:
             say(WARNING, "dra-prepare", f"not prepared: {why}")
             return {"error": why}

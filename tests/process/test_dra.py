@@ -16,6 +16,7 @@ import pytest
 
 from atedevd.cdi import files as cdi_files
 from atedevd.dra import checkpoint
+from atedevd.dra.slices import device_name
 from rig.apiserver_standin import ApiServerStandIn
 from rig.dra_kubelet import DraKubelet
 from rig.harness import DaemonUnderTest, fake_dev_root, wait_until, write_file
@@ -251,5 +252,33 @@ def test_an_unplugged_device_leaves_the_slice_and_comes_back_when_plugged_with_t
         back = api.node_slices()[0]["spec"]["pool"]["generation"]
         assert first < gone < back
         assert node.prepare([("ns", "late", "uid-l")])["uid-l"].error == ""
+    finally:
+        d.stop()
+
+
+def test_pattern_units_are_devices_of_their_own_and_each_one_claim_s_at_a_time(tmp_path, api, node):
+    from rig.nodes import mknod
+
+    for i in range(2):
+        mknod(tmp_path / "dev", f"ttyUSB{i}", 188, i)
+    cfg = dra_config(tmp_path, api, devices='[[device]]\nresource = "ate.dev/serial"\npath = "/dev/ttyUSB*"\n')
+    d = start(tmp_path, api, config=cfg)
+    try:
+        d.wait_ready()
+        node.wait_registered()
+        devices = {x["name"]: x for x in published(api)[0]["spec"]["devices"]}
+        names = [device_name("ate.dev/serial", f"ttyUSB{i}") for i in range(2)]  # (not labels: hashed apart)
+        assert sorted(devices) == sorted(names), devices
+        assert not any(x.get("allowMultipleAllocations") for x in devices.values())
+        first = names[0]
+        assert devices[first]["attributes"]["path"] == {"string": "/dev/ttyUSB0"}
+        for uid in ("uid-1", "uid-2"):
+            api.add_claim("ns", uid, uid, [{"request": "tty", "driver": "ate.dev", "pool": NODE, "device": first}])
+        one = node.prepare([("ns", "uid-1", "uid-1")])["uid-1"]
+        assert one.error == "" and len(one.devices[0].cdi_device_ids) == 1
+        two = node.prepare([("ns", "uid-2", "uid-2")])["uid-2"]
+        assert "prepared for claim uid-1 already" in two.error and not two.devices
+        node.unprepare([("ns", "uid-1", "uid-1")])
+        assert node.prepare([("ns", "uid-2", "uid-2")])["uid-2"].error == ""
     finally:
         d.stop()
