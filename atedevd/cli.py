@@ -145,7 +145,8 @@ def _run(args, cfg: config.Config) -> int:
                                    ("sys_root", args.sys_root), ("log_level", args.log_level),
                                    ("metrics_dir", args.metrics_dir)) if v is not None}
     code = EX_RUNTIME
-    if cfg.api == "dra" and parent is not None:  # the daemon that started us serves the device plugin API
+    if cfg.api == "dra" and parent is not None and parent.inherited != frozenset(("dra",)):
+        # the daemon that started us serves the device plugin API
         logging.getLogger("atedevd").error('not taking over: [daemon] api = "dra" takes a restart, not an upgrade '
                                            '(docs/dra.md); the running atedevd keeps serving')
         logging.shutdown()
@@ -154,7 +155,7 @@ def _run(args, cfg: config.Config) -> int:
         try:
             from atedevd.dra import node as dra_node
 
-            code = dra_node.run(cfg)
+            code = dra_node.run(cfg, lock_fd, parent)
             restarts.ended_cleanly()
         except BaseException as e:
             _log_crash(e)

@@ -35,6 +35,8 @@ from atedevd.dra.slices import DRIVER, DraDevice, by_name, device_name, same_con
 from atedevd.glue.resource import node_table
 from atedevd.kubelet import sockets
 from atedevd.systemd import Notifier, event
+from atedevd.upgrade import peers
+from atedevd.upgrade.machines import Message
 
 INFO, WARNING, ERROR = logging.INFO, logging.WARNING, logging.ERROR
 LOOK_EVERY_S = 1.0  # the nodes, looked at this often (device-plugin mode also follows inotify)
@@ -43,6 +45,11 @@ RETRY_FIRST_S, RETRY_MOST_S = 0.5, 10.0  # the publisher's back-off when the API
 # before it answers an error: kubelet gives a prepare 45 s, but a pod whose prepare failed is tried
 # again only by its pod sync's back-off, a minute or more later (measured on 1.37).
 PREPARE_WAIT_S = 30.0
+# A reload (SIGHUP, a package upgrade's) hands over to a successor that registers beside us: kubelet
+# 1.33 and newer keep both instances and call the newest, so no prepare finds the driver away.
+DRA_MARK = "dra"  # what a DRA predecessor tells its successor it serves (peers.INHERITED)
+HANDOVER_LATEST_S = 30.0  # the successor registered by then, or it is stopped and we serve on
+KUBELET_AWAY_S = 5.0  # a successor that kubelet has not taken by then takes over all the same
 EX_RUNTIME = 1
 EX_CONFIG = 78  # the unit does not restart: the sandbox or the file must change first
 
@@ -222,9 +229,18 @@ class Publisher:
 class DraNode:
     """One run of DRA mode."""
 
-    def __init__(self, cfg: Config, notifier: Notifier) -> None:
+    def __init__(self, cfg: Config, notifier: Notifier, lock_fd: int = -1,
+                 parent: Optional[peers.Parent] = None) -> None:
         self.cfg = cfg
         self.notifier = notifier
+        self.lock_fd = lock_fd
+        self.parent = parent  # a predecessor we take over from: prepares wait until it is gone
+        self._gate = threading.Event()  # open: this process answers prepares (at once, without a predecessor)
+        if parent is None:
+            self._gate.set()
+        self._told_registered = False
+        self.child: Optional[peers.Child] = None  # our successor, while a reload hands over
+        self._child_since = 0.0
         self.root = plugin.kubelet_root(cfg.device_plugin_dir)
         self.state_dir = plugin.plugin_dir(self.root)
         self.run_id = sockets.new_run_id()
@@ -246,6 +262,7 @@ class DraNode:
 
     def prepare(self, claims: List[Tuple[str, str, str]]) -> Dict[str, dict]:
         out: Dict[str, dict] = {}
+        self._gate.wait(HANDOVER_LATEST_S)  # (a successor: its predecessor's last claims are on disk first)
         with self._lock:
             for namespace, name, uid in claims:
                 ref = ClaimRef(namespace, name, uid)
@@ -294,6 +311,7 @@ class DraNode:
 
     def unprepare(self, claims: List[Tuple[str, str, str]]) -> Dict[str, str]:
         out: Dict[str, str] = {}
+        self._gate.wait(HANDOVER_LATEST_S)
         with self._lock:
             for namespace, name, uid in claims:
                 doc = self.book.unprepare(uid)
@@ -311,6 +329,7 @@ class DraNode:
     def _registered(self, ok: bool, error: str) -> None:
         if ok:
             self.registered = "yes"
+            self._tell_registered()
             say(INFO, "dra-registered", f"kubelet registered DRA driver {DRIVER} ({self.server.service_path if self.server else ''})")
         else:
             self.registered = ""
@@ -370,7 +389,9 @@ class DraNode:
         say(INFO, "dra-serving", f"serving DRA driver {DRIVER} at {self.server.service_path}, registration at "
             f"{self.server.registration_path}")
         self.publisher.start()
-        self.notifier.ready(self.status_line())
+        self._started_at = time.monotonic()
+        if self.parent is None:
+            self.notifier.ready(self.status_line())
 
     def run(self) -> int:
         self._wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -393,10 +414,21 @@ class DraNode:
             if sig is not None:
                 self._signal = None
                 if sig == signal.SIGHUP:
-                    if self._hangup():
-                        return self._stop("restarting to apply the configuration (DRA mode has no reload)")
+                    cfg = self._hangup()
+                    if cfg is not None and cfg.api == "dra" and self.child is None and self.parent is None:
+                        self._start_successor()
+                    elif cfg is not None and self.child is None and self.parent is None:
+                        return self._stop("restarting to apply the configuration")
                     continue
+                if self.child is not None:
+                    self.child.terminate()
                 return self._stop(f"stopping ({signal.Signals(sig).name})")
+            if self.child is not None:
+                done = self._successor_news()
+                if done is not None:
+                    return done
+            if self.parent is not None:
+                self._predecessor_news()
             now = time.monotonic()
             if self.notifier.watchdog_interval and now >= next_dog:
                 self.notifier.watchdog()
@@ -412,7 +444,8 @@ class DraNode:
                 self.server = plugin.DraSockets(self.root, self.run_id, plugin.PluginInfoService(
                     plugin.service_path(self.root, self.run_id), self._registered), self.prepare, self.unprepare)
                 self.server.start()
-            if select.select([self._wake_r], [], [], LOOK_EVERY_S)[0]:  # a signal came: acted on at once
+            channels = [c.fileno() for c in (self.child, self.parent) if c is not None and c.fileno() >= 0]
+            if select.select([self._wake_r] + channels, [], [], LOOK_EVERY_S)[0]:  # a signal or a peer: at once
                 while True:
                     try:
                         os.read(self._wake_r, 512)
@@ -422,17 +455,83 @@ class DraNode:
     def _on_signal(self, signum, frame) -> None:
         self._signal = signum
 
-    def _hangup(self) -> bool:
-        """SIGHUP: the file is checked; a good one is applied by a restart (systemd's Restart=always
-        starts the daemon again), a bad one changes nothing."""
+    def _hangup(self) -> Optional[Config]:
+        """SIGHUP: the file is checked. A good one is applied by a successor that registers beside
+        us and takes over (the installed atedevd, so a package upgrade's reload runs the new code);
+        a switch to the device plugin API by a restart (systemd's Restart=always starts the daemon
+        again); a bad file changes nothing."""
         try:
             cfg = load(self.cfg.source or "/etc/atedevd/config.toml", required=self.cfg.source is not None)
         except ConfigError as e:
             say(ERROR, "reload", f"configuration not applied, still serving as before:\n{e}")
-            return False
+            return None
         if cfg.api != "dra":
             say(WARNING, "reload", f'[daemon] api = "{cfg.api}": restarting into it (drain the node first: docs/dra.md)')
-        return True
+        return cfg
+
+    # --- a reload: the handover to a successor ------------------------------------------------------
+
+    def _start_successor(self) -> None:
+        self.notifier.reloading()
+        try:
+            self.child = peers.Child(self.lock_fd, (DRA_MARK,))
+        except OSError as e:
+            say(ERROR, "reload", f"the successor could not be started ({e}); still serving as before")
+            self.notifier.ready(self.status_line())
+            return
+        self._child_since = time.monotonic()
+        say(INFO, "reload", "configuration read: a successor registers beside this process and takes over")
+
+    def _successor_news(self) -> Optional[int]:
+        """What the successor said: REGISTERED (it serves: it becomes main, we leave), or its end
+        (it failed: we serve on). The exit status once we are done, else None."""
+        child = self.child
+        assert child is not None
+        for message in child.receive():
+            if message is Message.REGISTERED and child.pid is not None:
+                self.notifier.main_pid(child.pid)
+                code = self._stop(f"handed over to pid {child.pid}")  # (our sockets go: kubelet calls it alone)
+                child.send(Message.MAIN)
+                return code
+            if message is None:
+                why = child.ended(wait_s=1.0) or "exited"
+                say(ERROR, "reload", f"the successor {why} before it was registered; still serving as before")
+                self.child = None
+                self.notifier.ready(self.status_line())
+                return None
+        if time.monotonic() - self._child_since > HANDOVER_LATEST_S:
+            say(ERROR, "reload", f"the successor was not registered in {HANDOVER_LATEST_S:.0f} s; stopped it, still "
+                "serving as before")
+            child.kill()
+            self.child = None
+            self.notifier.ready(self.status_line())
+        return None
+
+    def _tell_registered(self) -> None:
+        if self.parent is not None and not self._told_registered:
+            self._told_registered = True
+            self.parent.send(Message.REGISTERED)
+
+    def _predecessor_news(self) -> None:
+        """A successor's: kubelet took us (or is away), we said so; MAIN (or the predecessor's end)
+        makes us systemd's main process, with every claim it prepared read from the checkpoint."""
+        parent = self.parent
+        assert parent is not None
+        if not self._told_registered and time.monotonic() - self._started_at > KUBELET_AWAY_S:
+            self._tell_registered()  # kubelet is away: nothing calls either of us
+        for message in parent.receive():
+            if message is Message.MAIN or message is None:
+                parent.close()
+                self.parent = None
+                self.notifier.become_main()
+                doc, why = checkpoint.read(self.state_dir)
+                with self._lock:
+                    if doc is not None and not why:
+                        self.book.load(doc)
+                self._gate.set()
+                say(INFO, "reload", f"took over: {len(self.book.claims)} prepared claim(s) known")
+                self.notifier.ready(self.status_line())
+                return
 
     def _stop(self, why: str) -> int:
         """Sockets gone (kubelet forgets this instance), the checkpoint and the CDI specs kept:
@@ -445,5 +544,6 @@ class DraNode:
         return 0
 
 
-def run(cfg: Config) -> int:
-    return DraNode(cfg, Notifier()).run()
+def run(cfg: Config, lock_fd: int = -1, parent: Optional[peers.Parent] = None) -> int:
+    """DRA mode's process; `parent`: the DRA predecessor we take over from (a reload)."""
+    return DraNode(cfg, Notifier(quiet=parent is not None), lock_fd, parent).run()

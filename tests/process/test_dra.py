@@ -216,7 +216,8 @@ def test_a_bad_api_value_is_a_configuration_error_and_no_restart_loop(tmp_path, 
     d.close()
 
 
-def test_a_sighup_with_a_bad_file_changes_nothing_and_with_a_good_one_exits_for_systemd_to_restart(tmp_path, api, node):
+def test_a_sighup_with_a_bad_file_changes_nothing_and_a_switch_to_the_device_plugin_api_exits_for_a_restart(
+        tmp_path, api, node):
     cfg = dra_config(tmp_path, api)
     d = start(tmp_path, api, config=cfg)
     try:
@@ -227,10 +228,10 @@ def test_a_sighup_with_a_bad_file_changes_nothing_and_with_a_good_one_exits_for_
         d.send(signal.SIGHUP)
         assert wait_until(lambda: "configuration not applied, still serving as before" in d.log(), 10), d.log()
         assert d.proc.poll() is None and len(node.instances) == 1
-        write_file(cfg, good)
+        write_file(cfg, good.replace('api = "dra"', 'api = "device-plugin"'))
         d.send(signal.SIGHUP)
-        assert d.wait(10) == 0  # Restart=always starts it again with the file
-        assert "restarting to apply the configuration" in d.log()
+        assert d.wait(10) == 0  # Restart=always starts it again, serving the device plugin API
+        assert "restarting to apply the configuration" in d.log() and "successor" not in d.log()
     finally:
         d.close()
 
@@ -282,3 +283,61 @@ def test_pattern_units_are_devices_of_their_own_and_each_one_claim_s_at_a_time(t
         assert node.prepare([("ns", "uid-2", "uid-2")])["uid-2"].error == ""
     finally:
         d.stop()
+
+
+def test_a_reload_hands_over_to_a_successor_registered_beside_it_and_no_prepare_finds_the_driver_away(tmp_path, api, node):
+    """SIGHUP: the successor registers beside us (two instances, as kubelet >= 1.33 keeps them), is
+    made main (MAINPID=), and our sockets go; kubelet's calls meanwhile are answered by one or the
+    other, and the claims prepared before are the successor's."""
+    d = start(tmp_path, api)
+    successor = None
+    try:
+        d.wait_ready()
+        old = node.wait_registered()
+        published(api)
+        for i in range(2000):
+            api.add_claim("ns", f"c{i}", f"uid-{i}", [{"request": "kvm", "driver": "ate.dev", "pool": NODE, "device": "kvm"}])
+        assert node.prepare([("ns", "c0", "uid-0")])["uid-0"].error == ""
+        sent = time.monotonic()
+        d.send(signal.SIGHUP)
+        answers, i, after = {}, 1, 0
+        while time.monotonic() - sent < 30 and after < 20 and i < 2000:  # kubelet's calls go on throughout
+            took_over = d.proc.poll() is not None and node.newest() is not old and len(node.instances) == 1
+            after += took_over
+            answers[f"uid-{i}"] = (node.newest().endpoint, node.prepare([("ns", f"c{i}", f"uid-{i}")])[f"uid-{i}"])
+            i += 1
+            time.sleep(0.005)
+        assert d.wait(20) == 0, d.log()
+        m = d.notify.wait_for("MAINPID", timeout=10)
+        assert m is not None, d.log()
+        successor = int(m["fields"]["MAINPID"])
+        assert successor != d.pid
+        assert wait_until(lambda: len(d.notify.values("READY")) >= 2, 10), "the successor never said READY=1"
+        new = node.wait_registered(after=old.registered_at)
+        assert wait_until(lambda: len(node.instances) == 1, 10), "the predecessor's instance is still registered"
+        assert new.endpoint != old.endpoint
+        assert {a.error for _, a in answers.values()} == {""}, {u: a.error for u, (_, a) in answers.items() if a.error}
+        by = {e for e, _ in answers.values()}
+        assert by == {old.endpoint, new.endpoint}, "the calls did not span the handover"
+        gets = api.claim_gets
+        by_old = [u for u, (e, _) in answers.items() if e == old.endpoint]
+        for uid in ["uid-0"] + by_old:  # prepared by the predecessor, before and during: the successor knows them
+            again = node.prepare([("ns", "c" + uid.split("-")[1], uid)])[uid]
+            assert again.error == "" and list(again.devices[0].cdi_device_ids) == [KVM_ID]
+        assert api.claim_gets == gets, "the successor read claims its predecessor had prepared"
+        print(f"\nreload: {i - 1} prepares across the handover ({sum(e == old.endpoint for e, _ in answers.values())} "
+              "to the predecessor), none failed")
+    finally:
+        d.close()
+        if successor is not None:
+            os.kill(successor, signal.SIGTERM)
+            assert wait_until(lambda: gone(successor), 10)
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie nobody reaped yet (the successor is not our child)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
