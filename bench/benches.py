@@ -373,12 +373,20 @@ def boot(quick: bool, rounds: Optional[int] = None) -> List[Row]:
     return b.run(rounds or (5 if quick else 20))
 
 
+def dra(quick: bool) -> List[Row]:
+    """DRA mode's prepare, unprepare and slice republication, beside device-plugin Allocate (bench.dra)."""
+    from bench import dra as d
+
+    return d.run(quick)
+
+
 BENCHES = {
     "startup": startup,
     "rereg": rereg,
     "let-go": let_go,
     "race": race,
     "allocate": allocate,
+    "dra": dra,
     "health": health,
     "pattern": pattern,
     "overlap": overlap,

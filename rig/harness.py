@@ -262,6 +262,15 @@ def end_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
             proc.wait()
 
 
+def gone(pid: int) -> bool:
+    """The process is no more, or a zombie nobody reaped yet (an upgrade's successor is not our child)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -17,19 +17,10 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from rig.harness import REPO, DaemonUnderTest, wait_until
+from rig.harness import REPO, DaemonUnderTest, gone, wait_until
 from tests.e2e import build
 
 KVM_TABLE = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
-
-
-def gone(pid: int) -> bool:
-    """The process is no more (or a zombie nobody reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 class Atedevd:

@@ -19,7 +19,7 @@ from atedevd.dra import checkpoint
 from atedevd.dra.slices import device_name
 from rig.apiserver_standin import ApiServerStandIn
 from rig.dra_kubelet import DraKubelet
-from rig.harness import DaemonUnderTest, fake_dev_root, wait_until, write_file
+from rig.harness import DaemonUnderTest, fake_dev_root, gone, wait_until, write_file
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="CDI specs are written only to a directory root alone may write")
 pytestmark = root_only
@@ -245,13 +245,13 @@ def test_an_unplugged_device_leaves_the_slice_and_comes_back_when_plugged_with_t
         os.unlink(tmp_path / "dev" / "kvm")
         assert wait_until(lambda: api.node_slices() and api.node_slices()[0]["spec"]["devices"] == [], 10), \
             api.node_slices()
-        gone = api.node_slices()[0]["spec"]["pool"]["generation"]
+        unplugged = api.node_slices()[0]["spec"]["pool"]["generation"]
         api.add_claim("ns", "late", "uid-l", [{"request": "kvm", "driver": "ate.dev", "pool": NODE, "device": "kvm"}])
         assert "is not one this node serves now" in node.prepare([("ns", "late", "uid-l")])["uid-l"].error
         os.symlink("/dev/null", tmp_path / "dev" / "kvm")
         assert wait_until(lambda: [x["name"] for x in api.node_slices()[0]["spec"]["devices"]] == ["kvm"], 10)
         back = api.node_slices()[0]["spec"]["pool"]["generation"]
-        assert first < gone < back
+        assert first < unplugged < back
         assert node.prepare([("ns", "late", "uid-l")])["uid-l"].error == ""
     finally:
         d.stop()
@@ -333,11 +333,3 @@ def test_a_reload_hands_over_to_a_successor_registered_beside_it_and_no_prepare_
             os.kill(successor, signal.SIGTERM)
             assert wait_until(lambda: gone(successor), 10)
 
-
-def gone(pid: int) -> bool:
-    """No such process, or a zombie nobody reaped yet (the successor is not our child)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
