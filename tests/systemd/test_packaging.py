@@ -52,7 +52,7 @@ def leftovers():
 def python_package_files():
     """The package's files as the source tree has them, relative to the site directory."""
     files = {str(p.relative_to(ROOT)) for p in (ROOT / "atedevd").rglob("*.py") if "__pycache__" not in p.parts}
-    return files | {"atedevd/api/deviceplugin.proto", "atedevd/api/podresources.proto"}
+    return files | {str(p.relative_to(ROOT)) for p in (ROOT / "atedevd" / "api").glob("*.proto")}
 
 
 def changelog_version():
