@@ -77,7 +77,7 @@ def _device_class(c: KubeApi, resource: str, report) -> None:
     try:
         dc = c.device_class(name)
     except ClusterError as e:
-        if "403" in str(e):
+        if e.status == 403:
             report.add("dra-class", name, WARNING, "the node's credentials may not read DeviceClasses",
                        f"check with kubectl get deviceclass {name}")
         else:

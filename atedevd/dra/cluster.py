@@ -25,7 +25,12 @@ NODE_USER_PREFIX = "system:node:"
 
 
 class ClusterError(Exception):
-    """The API server could not be asked, or refused: the message names what and why."""
+    """The API server could not be asked, or refused: the message names what and why; `status`
+    is the HTTP status of a refusal (None: no answer)."""
+
+    def __init__(self, message: str, status: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def find_kubeconfig(configured: Optional[str]) -> Tuple[Optional[str], str]:
@@ -88,11 +93,7 @@ class KubeApi:
         except Exception as e:
             if getattr(e, "status", None) == 401:  # a rotated certificate, a renewed token: built again next time
                 self._client = None
-            raise ClusterError(f"{what}: {_reason(e)}") from e
-
-    @staticmethod
-    def _status(e: BaseException) -> Optional[int]:
-        return getattr(e.__cause__, "status", None)
+            raise ClusterError(f"{what}: {_reason(e)}", getattr(e, "status", None)) from e
 
     def whoami(self) -> str:
         """The user the credentials are (`system:node:<name>` for kubelet's)."""
@@ -137,7 +138,7 @@ class KubeApi:
             self._call(f"delete ResourceSlice {name}",
                        lambda: self._resource("resource.k8s.io/v1", "ResourceSlice").delete(name=name))
         except ClusterError as e:
-            if self._status(e) != 404:
+            if e.status != 404:
                 raise
 
     def watch_slices(self, node: str, driver: str, resource_version: str) -> Iterator[str]:

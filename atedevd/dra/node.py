@@ -25,7 +25,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from atedevd.cdi import keeper as cdi_keeper
-from atedevd.config import Config
+from atedevd.config import DEFAULT_CONFIG_PATH, Config
 from atedevd.config_file.load import ConfigError, load
 from atedevd.devices.claims import Claims
 from atedevd.dra import checkpoint, plugin
@@ -285,7 +285,7 @@ class DraNode:
                 claim = c.claim(ref.namespace, ref.name)
                 break
             except ClusterError as e:
-                status = getattr(e.__cause__, "status", None)
+                status = e.status
                 if (status is not None and 400 <= status < 500 and status not in (401, 429)) or \
                         time.monotonic() >= deadline:
                     return {"error": str(e)}  # (a claim that is not there, or not ours to read: no wait helps)
@@ -461,7 +461,7 @@ class DraNode:
         a switch to the device plugin API by a restart (systemd's Restart=always starts the daemon
         again); a bad file changes nothing."""
         try:
-            cfg = load(self.cfg.source or "/etc/atedevd/config.toml", required=self.cfg.source is not None)
+            cfg = load(self.cfg.source or DEFAULT_CONFIG_PATH, required=self.cfg.source is not None)
         except ConfigError as e:
             say(ERROR, "reload", f"configuration not applied, still serving as before:\n{e}")
             return None

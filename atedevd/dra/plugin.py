@@ -52,21 +52,9 @@ def remove_leftovers(root: str, say: Callable[..., None]) -> List[str]:
     """Sockets of ours that no process serves any more (a run killed before it could remove
     them): gone, so that kubelet forgets those instances. A live one (the other instance of an
     upgrade) stays."""
-    removed = []
-    for directory, prefix, suffix in ((os.path.join(root, REGISTRY), f"{DRIVER}-", "-reg.sock"),
-                                      (plugin_dir(root), "dra-", ".sock")):
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            continue
-        for name in names:
-            path = os.path.join(directory, name)
-            if name.startswith(prefix) and name.endswith(suffix) and sockets.is_dead_socket(path):
-                try:
-                    os.unlink(path)
-                    removed.append(path)
-                except OSError:
-                    continue
+    removed = sockets.remove_dead_sockets(os.path.join(root, REGISTRY),
+                                          lambda n: n.startswith(f"{DRIVER}-") and n.endswith("-reg.sock"))
+    removed += sockets.remove_dead_sockets(plugin_dir(root), lambda n: n.startswith("dra-") and n.endswith(".sock"))
     if removed:
         say(logging.INFO, "dra-leftover", f"removed sockets of an earlier run that no process serves: {', '.join(removed)}")
     return removed

@@ -19,7 +19,7 @@ import re
 import select
 import socket
 import stat
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 STANDBY_DIR = ".atedevd"
 # sun_path is 108 bytes with the terminating NUL.
@@ -125,18 +125,27 @@ def remove_leftovers(plugin_dir: str, resources: Iterable[str], keep_run: str = 
     pattern = _leftover_pattern(resources)
     own = f".{keep_run}-" if keep_run else None
     for directory in (plugin_dir, os.path.join(plugin_dir, STANDBY_DIR)):
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            continue
-        for name in names:
-            path = os.path.join(directory, name)
-            if pattern.match(name) and not (own and own in name) and is_dead_socket(path):
-                try:
-                    os.unlink(path)
-                    removed.append(path)
-                except OSError:
-                    pass
+        removed += remove_dead_sockets(directory, lambda name: bool(pattern.match(name)) and not (own and own in name))
+    return removed
+
+
+def remove_dead_sockets(directory: str, ours: Callable[[str], bool]) -> List[str]:
+    """Unlink each socket in `directory` whose name is `ours` and that nobody listens on (a run
+    that was killed left it); a path someone still accepts connections on is never touched.
+    Returns the paths removed."""
+    removed: List[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        if ours(name) and is_dead_socket(path):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
     return removed
 
 
