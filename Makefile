@@ -109,8 +109,8 @@ sim:
 	-$(PYTHON) -m tests.simulation --rounds 1000 --blind
 	-$(PYTHON) -m tests.simulation --rounds 1000 --blind --no-pod-resources
 
-# Regenerate the v1beta1, pod-resources v1, DRA v1/v1beta1 and plugin registration bindings with protoc 3.21 (Debian's protobuf-compiler or grpcio-tools==1.51.3).
-PROTOS := deviceplugin.proto podresources.proto dra_v1.proto dra_v1beta1.proto pluginregistration.proto
+# Regenerate the v1beta1, pod-resources v1, DRA v1/v1beta1, DRA health v1/v1alpha1 and plugin registration bindings with protoc 3.21 (Debian's protobuf-compiler or grpcio-tools==1.51.3).
+PROTOS := deviceplugin.proto podresources.proto dra_v1.proto dra_v1beta1.proto pluginregistration.proto dra_health_v1.proto dra_health_v1alpha1.proto
 proto:
 	cd atedevd/api && protoc --python_out=. $(PROTOS)
 

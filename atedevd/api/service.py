@@ -1,5 +1,5 @@
-"""gRPC wiring for the v1beta1 services, pod-resources v1 and DRA mode's plugin registration and
-DRAPlugin v1/v1beta1, from one table of methods.
+"""gRPC wiring for the v1beta1 services, pod-resources v1 and DRA mode's plugin registration,
+DRAPlugin v1/v1beta1 and DRAResourceHealth v1/v1alpha1, from one table of methods.
 
 Servers get a generic handler built from any object with the method names;
 clients get a stub whose attributes are the channel's multi-callables.
@@ -10,6 +10,8 @@ from typing import Any, Dict
 import grpc
 
 from atedevd.api import deviceplugin_pb2 as pb
+from atedevd.api import dra_health_v1_pb2 as healthpb
+from atedevd.api import dra_health_v1alpha1_pb2 as healthpb_alpha
 from atedevd.api import dra_v1_pb2 as drapb
 from atedevd.api import dra_v1beta1_pb2 as drapb_beta
 from atedevd.api import pluginregistration_pb2 as regpb
@@ -31,12 +33,22 @@ POD_RESOURCES = "v1.PodResourcesLister"
 PLUGIN_REGISTRATION = "pluginregistration.Registration"  # DRA mode: what kubelet's plugin watcher asks
 DRA_PLUGIN = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"  # registered as "v1.DRAPlugin" (kubelet >= 1.34)
 DRA_PLUGIN_BETA = "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"  # "v1beta1.DRAPlugin" (every DRA kubelet)
+DRA_HEALTH = "v1.DRAResourceHealth"  # kubelet's device health stream (package "v1", beside pod-resources v1)
+DRA_HEALTH_ALPHA = "v1alpha1.DRAResourceHealth"
 
 
 def _dra(m) -> Dict[str, "Method"]:
     return {
         "NodePrepareResources": Method(m.NodePrepareResourcesRequest, m.NodePrepareResourcesResponse),
         "NodeUnprepareResources": Method(m.NodeUnprepareResourcesRequest, m.NodeUnprepareResourcesResponse),
+    }
+
+
+def _health(m) -> Dict[str, "Method"]:
+    return {
+        "NodeWatchResources": Method(
+            m.NodeWatchResourcesRequest, m.NodeWatchResourcesResponse, server_streaming=True
+        ),
     }
 
 
@@ -59,6 +71,8 @@ METHODS: Dict[str, Dict[str, Method]] = {
     },
     DRA_PLUGIN: _dra(drapb),
     DRA_PLUGIN_BETA: _dra(drapb_beta),
+    DRA_HEALTH: _health(healthpb),
+    DRA_HEALTH_ALPHA: _health(healthpb_alpha),
     POD_RESOURCES: {
         "List": Method(prpb.ListPodResourcesRequest, prpb.ListPodResourcesResponse),
         "GetAllocatableResources": Method(

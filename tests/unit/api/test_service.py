@@ -1,19 +1,33 @@
-"""The v1beta1 and pod-resources v1 bindings: generated code matches the protos, field numbers match kubelet's."""
+"""The bindings (v1beta1, pod-resources v1, DRA v1/v1beta1, DRA health v1/v1alpha1, plugin registration):
+generated code matches the protos, field numbers match kubelet's, and the service table serves and calls them."""
 
 import os
 import shutil
 import subprocess
+import tempfile
+from concurrent import futures
 
+import grpc
 import pytest
 
+from atedevd.api import dra_health_v1_pb2 as healthpb
+from atedevd.api import dra_health_v1alpha1_pb2 as healthpb_alpha
 from atedevd.api import pb, prpb
-from atedevd.api.service import METHODS
+from atedevd.api.service import DRA_HEALTH, DRA_HEALTH_ALPHA, METHODS, handler, stub
 from rig.harness import REPO
 
 API_DIR = os.path.join(REPO, "atedevd", "api")
 
 
-PROTOS = ["deviceplugin.proto", "podresources.proto", "dra_v1.proto", "dra_v1beta1.proto", "pluginregistration.proto"]
+PROTOS = [
+    "deviceplugin.proto",
+    "podresources.proto",
+    "dra_v1.proto",
+    "dra_v1beta1.proto",
+    "pluginregistration.proto",
+    "dra_health_v1.proto",
+    "dra_health_v1alpha1.proto",
+]
 
 
 def test_every_proto_is_listed():
@@ -94,7 +108,9 @@ def test_pod_resources_int_types_match_kubelet():
         assert f.type == f.TYPE_INT64
 
 
-@pytest.mark.parametrize("module", [pb, prpb], ids=["v1beta1", "podresources"])
+@pytest.mark.parametrize(
+    "module", [pb, prpb, healthpb, healthpb_alpha], ids=["v1beta1", "podresources", "dra-health-v1", "dra-health-v1alpha1"]
+)
 def test_service_table_matches_the_proto(module):
     assert module.DESCRIPTOR.services_by_name
     for service in module.DESCRIPTOR.services_by_name.values():
@@ -104,3 +120,105 @@ def test_service_table_matches_the_proto(module):
             assert table[name].request.DESCRIPTOR is m.input_type
             assert table[name].response.DESCRIPTOR is m.output_type
             assert table[name].server_streaming == m.server_streaming
+
+
+HEALTH = [(DRA_HEALTH, healthpb, "v1"), (DRA_HEALTH_ALPHA, healthpb_alpha, "v1alpha1")]
+HEALTH_IDS = ["v1", "v1alpha1"]
+
+
+@pytest.mark.parametrize("name, module, package", HEALTH, ids=HEALTH_IDS)
+def test_dra_health_field_numbers_match_kubelet(name, module, package):
+    assert name == f"{package}.DRAResourceHealth" == module.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name
+    for message, fields in [
+        (module.NodeWatchResourcesRequest, {}),
+        (module.DeviceIdentifier, {"pool_name": 1, "device_name": 2}),
+        (module.DeviceHealth, {"device": 1, "health": 2, "last_updated_time": 3, "health_check_timeout_seconds": 4, "message": 5}),
+        (module.NodeWatchResourcesResponse, {"devices": 1}),
+    ]:
+        assert {f.name: f.number for f in message.DESCRIPTOR.fields} == fields
+        assert message.DESCRIPTOR.full_name == f"{package}.{message.DESCRIPTOR.name}"
+    assert {v.name: v.number for v in module.HealthStatus.DESCRIPTOR.values} == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}
+    assert module.HealthStatus.DESCRIPTOR.full_name == f"{package}.HealthStatus"
+    d = module.DeviceHealth.DESCRIPTOR.fields_by_name
+    for f in ("last_updated_time", "health_check_timeout_seconds"):
+        assert d[f].type == d[f].TYPE_INT64
+    assert d["health"].type == d["health"].TYPE_ENUM and d["health"].enum_type is module.HealthStatus.DESCRIPTOR
+    assert d["message"].type == d["message"].TYPE_STRING
+
+
+def test_dra_health_v1_and_v1alpha1_share_the_wire_format():
+    """v1alpha1 differs from v1 only in the package: either's bytes are the other's message."""
+    a = healthpb.NodeWatchResourcesResponse(devices=[healthpb.DeviceHealth(
+        device=healthpb.DeviceIdentifier(pool_name="node-a", device_name="kvm-0"), health=healthpb.UNHEALTHY,
+        last_updated_time=1767225600, health_check_timeout_seconds=30, message="gone")])
+    b = healthpb_alpha.NodeWatchResourcesResponse.FromString(a.SerializeToString())
+    assert b.SerializeToString() == a.SerializeToString()
+    assert b.devices[0].device.device_name == "kvm-0" and b.devices[0].health == healthpb_alpha.UNHEALTHY
+
+
+@pytest.fixture
+def sock_dir():
+    """Short, under /tmp: a unix socket path has 107 bytes, which pytest's tmp_path may not leave."""
+    root = tempfile.mkdtemp(prefix="ate", dir="/tmp")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("name, module, package", HEALTH, ids=HEALTH_IDS)
+def test_dra_health_stream_round_trip(sock_dir, name, module, package):
+    """A real server on a unix socket, built by service.handler(); a client from service.stub():
+    NodeWatchResources streams the handler's two responses, fields and types intact."""
+    requests = []
+
+    class HealthStream:
+        def NodeWatchResources(self, request, context):
+            requests.append(request)
+            yield module.NodeWatchResourcesResponse(devices=[
+                module.DeviceHealth(
+                    device=module.DeviceIdentifier(pool_name="node-a", device_name="kvm-0"),
+                    health=module.HEALTHY, last_updated_time=1767225600, health_check_timeout_seconds=30),
+                module.DeviceHealth(
+                    device=module.DeviceIdentifier(pool_name="node-a", device_name="kvm-1"),
+                    health=module.UNKNOWN, last_updated_time=1767225600),
+            ])
+            yield module.NodeWatchResourcesResponse(devices=[
+                module.DeviceHealth(
+                    device=module.DeviceIdentifier(pool_name="node-a", device_name="kvm-0"),
+                    health=module.UNHEALTHY, last_updated_time=2**40, health_check_timeout_seconds=2**33,
+                    message="/dev/kvm gone"),
+            ])
+
+    path = os.path.join(sock_dir, "dra.sock")
+    server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[handler(name, HealthStream())])
+    server.add_insecure_port("unix:" + path)
+    server.start()
+    channel = grpc.insecure_channel("unix:" + path)
+    try:
+        got = list(stub(name, channel).NodeWatchResources(module.NodeWatchResourcesRequest(), timeout=10))
+        # kubelet's own path for the call (what a client built from the upstream proto dials)
+        raw = channel.unary_stream(
+            f"/{package}.DRAResourceHealth/NodeWatchResources",
+            request_serializer=module.NodeWatchResourcesRequest.SerializeToString,
+            response_deserializer=module.NodeWatchResourcesResponse.FromString,
+        )
+        assert list(raw(module.NodeWatchResourcesRequest(), timeout=10)) == got
+    finally:
+        channel.close()
+        server.stop(None)
+
+    assert len(requests) == 2 and all(type(r) is module.NodeWatchResourcesRequest for r in requests)
+    assert [type(r) for r in got] == [module.NodeWatchResourcesResponse] * 2
+    first, second = got
+    assert [(d.device.pool_name, d.device.device_name, d.health, d.last_updated_time, d.health_check_timeout_seconds, d.message)
+            for d in first.devices] == [
+        ("node-a", "kvm-0", module.HEALTHY, 1767225600, 30, ""),
+        ("node-a", "kvm-1", module.UNKNOWN, 1767225600, 0, ""),
+    ]
+    (d,) = second.devices
+    assert type(d) is module.DeviceHealth and type(d.device) is module.DeviceIdentifier
+    assert (d.device.pool_name, d.device.device_name, d.message) == ("node-a", "kvm-0", "/dev/kvm gone")
+    assert type(d.device.pool_name) is str and type(d.device.device_name) is str and type(d.message) is str
+    assert d.health == module.UNHEALTHY == 2 and type(d.health) is int
+    assert module.HealthStatus.Name(d.health) == "UNHEALTHY"
+    assert (d.last_updated_time, d.health_check_timeout_seconds) == (2**40, 2**33)  # past 32 bits: int64 on the wire
+    assert type(d.last_updated_time) is int and type(d.health_check_timeout_seconds) is int
