@@ -556,11 +556,75 @@ def test_bundled_deb_is_small_pinned_and_licensed(bundled39):
         info = site / f"{name.replace('-', '_')}-{version}.dist-info"
         assert info.is_dir(), info
         assert (tree / "usr/share/doc/atedevd-bundled/bundled" / info.name[: -len(".dist-info")]).is_dir(), name
-    assert list(site.glob("grpc/_cython/cygrpc.cpython-39-*.so"))
+    assert list(site.glob("grpc/_cython/cygrpc.cpython-39-*.so")) and list(site.glob("yaml/_yaml.cpython-39-*.so"))
     assert not list(tree.rglob("*.pyc")) and not list(tree.rglob("__pycache__"))
+    assert not [p.name for p in site.iterdir() if p.is_file() and p.suffix != ".py"], "a console script in site-packages"
     copyright_ = (tree / "usr/share/doc/atedevd-bundled/copyright").read_text()
-    for spdx in ("Apache-2.0-grpcio", "BSD-3-Clause-protobuf", "GPL-2.0-only-inotify", "MIT-sdnotify"):
+    for spdx in ("Apache-2.0-grpcio", "BSD-3-Clause-protobuf", "GPL-2.0-only-inotify", "MIT-sdnotify",
+                 "Apache-2.0-kubernetes", "MIT-pyyaml", "MPL-2.0-certifi", "ISC-requests-oauthlib"):
         assert f"License: {spdx}" in copyright_, spdx
+
+
+def test_bundled_deb_is_closed_under_its_projects_requirements(bundled39):
+    # What pip's resolver would ask for on Python 3.9: every Requires-Dist (extras aside) of every
+    # bundled project is bundled too, at a version it accepts (fetch itself runs pip with --no-deps).
+    # One exception: inotify 0.2.12's wheel names `build`, the PEP 517 front end it was built
+    # with, as a run-time requirement; nothing of inotify imports it.
+    from email.parser import Parser
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    unneeded = {("inotify", "build")}
+    _, tree = bundled39
+    site = tree / "usr/lib/atedevd/site-packages"
+    meta = {}
+    for info in site.glob("*.dist-info"):
+        m = Parser().parsestr((info / "METADATA").read_text(encoding="utf-8"), headersonly=True)
+        meta[canonicalize_name(m["Name"])] = (m["Version"], m.get_all("Requires-Dist") or [])
+    env = {"python_version": "3.9", "python_full_version": "3.9.2", "extra": ""}
+    missing = []
+    for name, (_, requires) in sorted(meta.items()):
+        for req in map(Requirement, requires):
+            if (req.marker is not None and not req.marker.evaluate(env)) or (name, canonicalize_name(req.name)) in unneeded:
+                continue
+            have = meta.get(canonicalize_name(req.name))
+            if have is None or not req.specifier.contains(have[0], prereleases=True):
+                missing.append(f"{name} requires {req}, bundled: {have[0] if have else 'nothing'}")
+    assert not missing, missing
+    assert "google-auth" not in meta, "kubernetes' google-auth is an extra (GKE auth plugins): not bundled"
+
+
+def test_bundled_deb_carries_the_kubernetes_client_for_dra_mode(bundled39):
+    # The installed tree alone (-S: no dist-packages to fall back on), the client as pinned, and
+    # atedevd's DRA module driving it against the API server stand-in: discovery of
+    # resource.k8s.io/v1, a write, a list, a watch through the dynamic client. This host's python3
+    # is not 3.9: PyYAML's cp39 extension is left aside there for its pure-Python loader.
+    _, tree = bundled39
+    lib = tree / "usr/lib/atedevd"
+    site = lib / "site-packages"
+    pinned = re.search(r"^kubernetes==(\S+)", (ROOT / "packaging/bundled/requirements.lock").read_text(), re.M).group(1)
+    code = f"""
+import sys, tempfile
+sys.path[:0] = [{str(lib)!r}, {str(site)!r}]
+sys.path.append({str(ROOT)!r})  # rig, for the stand-in
+import kubernetes.config, kubernetes.dynamic, urllib3, yaml
+from atedevd.dra.cluster import KubeApi
+from rig.apiserver_standin import ApiServerStandIn
+for m in (kubernetes, urllib3, yaml):
+    assert m.__file__.startswith({str(site)!r}), m.__file__
+assert KubeApi.__module__ == "atedevd.dra.cluster" and sys.modules["atedevd"].__file__.startswith({str(lib)!r})
+api = ApiServerStandIn("node-a")
+k = KubeApi(api.kubeconfig(tempfile.mkstemp()[1]))
+items, version = k.slices("node-a", "ate.dev")
+k.create_slice({{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {{"name": "s"}},
+                "spec": {{"nodeName": "node-a", "driver": "ate.dev", "pool": {{"name": "node-a", "generation": 1,
+                         "resourceSliceCount": 1}}, "devices": [{{"name": "kvm"}}]}}}})
+print(kubernetes.__version__, k.whoami(), len(items), len(k.slices("node-a", "ate.dev")[0]),
+      next(k.watch_slices("node-a", "ate.dev", version)))
+"""
+    out = run("/usr/bin/python3", "-I", "-S", "-c", code, timeout=60).stdout.split()
+    assert out == [pinned, "system:node:node-a", "0", "1", "ADDED"], out
 
 
 def test_bundled_package_on_another_python_exits_with_one_clear_line(bundled39):
