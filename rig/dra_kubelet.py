@@ -1,71 +1,138 @@
-"""A stand-in for kubelet's DRA side: its plugin watcher and its DRA plugin manager, as
-kubelet 1.34-1.37 behave (read from kubernetes' pkg/kubelet/pluginmanager and cm/dra/plugin).
+"""A stand-in for kubelet's DRA side on real sockets: its plugin watcher, its DRA plugin manager
+(the bookkeeping is rig/dra_kubelet_model.py's, which the simulation runs too) and its calls.
 
-It watches `<root>/plugins_registry/` for sockets, dials each new one, asks GetInfo, checks
-what kubelet checks (type DRAPlugin, one of the services it speaks, an endpoint no other
-instance has) and says so with NotifyRegistrationStatus; an instance whose registration socket
-goes is deregistered. Prepare and unprepare go to the newest registered instance, with
-kubelet's 45 s timeout. `start_anew` is a kubelet restart: every instance forgotten, the node's
-slices wiped on the API server (as kubelet does when it starts), the directory scanned again.
+It watches `<root>/plugins_registry/` with inotify as kubelet does (a socket created, or there
+at the start, is registered: GetInfo, the model's checks, NotifyRegistrationStatus; one
+removed is deregistered; a file that stays is never asked again), keeps one gRPC channel per
+instance that reconnects by itself, follows its state into the model's "connected" (the slices
+of a driver with no connected instance are wiped 30 s later on the API server stand-in), opens
+the health stream where the model's kubelet version would, and sends prepare and unprepare to
+the instance the model chooses, without waiting for a connection that failed (kubelet's calls
+do not wait for ready), with kubelet's 45 s timeout. `start_anew` is a kubelet restart: every
+instance forgotten, the node's slices wiped, the directory read again.
 """
 
 import os
+import select
+import stat
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
 import grpc
+import inotify.constants as ic
 
-from atedevd.api import service
+from atedevd.api import dra_health_v1_pb2 as healthpb
+from atedevd.api import dra_health_v1alpha1_pb2 as healthpb_alpha
 from atedevd.api import dra_v1_pb2 as drapb
 from atedevd.api import dra_v1beta1_pb2 as drapb_beta
 from atedevd.api import pluginregistration_pb2 as regpb
+from atedevd.api import service
+from atedevd.daemon.watch import Watcher
 
-SPOKEN = (("v1.DRAPlugin", service.DRA_PLUGIN, drapb), ("v1beta1.DRAPlugin", service.DRA_PLUGIN_BETA, drapb_beta))
-CALL_TIMEOUT_S = 45.0
+try:
+    from rig.dra_kubelet_model import CALL_TIMEOUT_S, Info, Instance, PluginManager
+except ImportError:  # run as a script (the systemd container): the model beside it
+    from dra_kubelet_model import CALL_TIMEOUT_S, Info, Instance, PluginManager  # type: ignore[no-redef]
+
+SERVICES = {"v1.DRAPlugin": (service.DRA_PLUGIN, drapb), "v1beta1.DRAPlugin": (service.DRA_PLUGIN_BETA, drapb_beta)}
+HEALTH = {"v1.DRAResourceHealth": (service.DRA_HEALTH, healthpb),
+          "v1alpha1.DRAResourceHealth": (service.DRA_HEALTH_ALPHA, healthpb_alpha)}
+HEALTH_RETRY_S = 5.0
 
 
-class Instance:
-    def __init__(self, registration: str, endpoint: str, chosen: str, stub, pb) -> None:
-        self.registration, self.endpoint, self.chosen, self.stub, self.pb = registration, endpoint, chosen, stub, pb
+class _Client:
+    """kubelet's connection to one instance: a channel, its stub, its health stream."""
+
+    def __init__(self, kubelet: "DraKubelet", instance: Instance) -> None:
+        self.instance = instance
         self.registered_at = time.monotonic()
+        self.channel = grpc.insecure_channel("unix:" + instance.endpoint)
+        name, self.pb = SERVICES[instance.service]
+        self.stub = service.stub(name, self.channel)
+        self.closed = False
+        self.health: Optional[List[Tuple[str, str, int, str]]] = None  # the newest list: (pool, device, health, why)
+        self.health_lists = 0
+        self._kubelet = kubelet
+        self.channel.subscribe(self._state, try_to_connect=True)
+        if instance.health is not None:
+            threading.Thread(target=self._watch_health, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return self.instance.endpoint
+
+    @property
+    def chosen(self) -> str:
+        return self.instance.service
+
+    def _state(self, state: grpc.ChannelConnectivity) -> None:
+        self._kubelet._connected(self, state is grpc.ChannelConnectivity.READY)
+
+    def _watch_health(self) -> None:
+        name, pb = HEALTH[self.instance.health or ""]
+        stub = service.stub(name, self.channel)
+        while not self.closed:
+            try:
+                for response in stub.NodeWatchResources(pb.NodeWatchResourcesRequest()):
+                    self.health = [(d.device.pool_name, d.device.device_name, int(d.health), d.message)
+                                   for d in response.devices]
+                    self.health_lists += 1
+            except grpc.RpcError:
+                pass
+            for _ in range(int(HEALTH_RETRY_S / 0.05)):
+                if self.closed:
+                    return
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        self.closed = True
+        self.channel.close()
 
 
 class DraKubelet:
-    def __init__(self, root: str, apiserver=None, speaks=("v1.DRAPlugin", "v1beta1.DRAPlugin")) -> None:
+    def __init__(self, root: str, apiserver=None, version: str = "1.37", node: Optional[str] = None) -> None:
         self.root = root
         self.registry = os.path.join(root, "plugins_registry")
         os.makedirs(self.registry, exist_ok=True)
         self.apiserver = apiserver
-        self.speaks = speaks
-        self.instances: List[Instance] = []
-        self.refused: List[Tuple[str, str]] = []  # (socket, why)
-        self._seen: Dict[str, int] = {}  # socket -> inode dialled
+        self.node = node
+        self.version = version
+        self.model = PluginManager(version)
+        self.clients: Dict[str, _Client] = {}  # by registration socket
+        self.order: List[_Client] = []
+        self.wipes = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="dra-kubelet", daemon=True)
+        self._watcher = Watcher()
+        self._watcher.want([self.registry])
+        self._pending = sorted(os.path.join(self.registry, n) for n in os.listdir(self.registry))
+        self._thread = threading.Thread(target=self._run, name="dra-kubelet", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
+    # --- what the tests see ------------------------------------------------------------------------
 
-    def start_anew(self) -> int:
-        """A kubelet restart: instances forgotten, the node's slices wiped; the wiped count."""
+    @property
+    def instances(self) -> List[_Client]:
         with self._lock:
-            self.instances, self._seen = [], {}
-        return self.apiserver.wipe() if self.apiserver is not None else 0
+            return [c for c in self.order if not c.closed]
 
-    def newest(self) -> Optional[Instance]:
+    @property
+    def refused(self) -> List[Tuple[str, str]]:
+        return list(self.model.refused)
+
+    def newest(self) -> Optional[_Client]:
+        """The client kubelet's calls go to now."""
         with self._lock:
-            return self.instances[-1] if self.instances else None
+            i = self.model.chosen("ate.dev")
+            return next((c for c in self.order if c.instance is i), None) if i is not None else None
 
-    def wait_registered(self, timeout: float = 10.0, after: float = 0.0) -> Instance:
+    def wait_registered(self, timeout: float = 10.0, after: float = 0.0) -> _Client:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            i = self.newest()
-            if i is not None and i.registered_at > after:
-                return i
+            c = self.newest()
+            if c is not None and c.registered_at > after:
+                return c
             time.sleep(0.005)
         raise AssertionError(f"no DRA plugin registered within {timeout} s (refused: {self.refused})")
 
@@ -77,62 +144,92 @@ class DraKubelet:
         return self._call("NodeUnprepareResources", claims, timeout)
 
     def _call(self, method: str, claims: List[Tuple[str, str, str]], timeout: float):
-        i = self.newest()
-        if i is None:
+        c = self.newest()
+        if c is None:
             raise RuntimeError("DRA driver ate.dev is not registered")
-        request = getattr(i.pb, f"{method}Request")(claims=[i.pb.Claim(namespace=n, name=c, uid=u) for n, c, u in claims])
-        return getattr(i.stub, method)(request, timeout=timeout).claims
+        request = getattr(c.pb, f"{method}Request")(claims=[c.pb.Claim(namespace=n, name=m, uid=u) for n, m, u in claims])
+        return getattr(c.stub, method)(request, timeout=timeout).claims
 
-    def _watch(self) -> None:
+    def start_anew(self) -> int:
+        """A kubelet restart: instances forgotten, the node's slices wiped; the wiped count."""
+        with self._lock:
+            for c in self.order:
+                c.close()
+            self.clients, self.order = {}, []
+            self.model = PluginManager(self.version)
+            self._pending = sorted(os.path.join(self.registry, n) for n in os.listdir(self.registry))
+        return self.apiserver.wipe() if self.apiserver is not None else 0
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for c in self.order:
+            c.close()
+
+    # --- kubelet's threads ------------------------------------------------------------------------------
+
+    def _connected(self, client: _Client, connected: bool) -> None:
+        with self._lock:
+            if not client.closed:
+                self.model.connection(time.monotonic(), client.instance, connected)
+
+    def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                names = sorted(os.listdir(self.registry))
-            except OSError:
-                names = []
-            present = {}
-            for name in names:
-                path = os.path.join(self.registry, name)
-                try:
-                    present[path] = os.lstat(path).st_ino
-                except OSError:
-                    continue
             with self._lock:
-                gone = [p for p in self._seen if present.get(p) != self._seen[p]]
-                for p in gone:
-                    del self._seen[p]
-                    self.instances = [i for i in self.instances if i.registration != p]
-            for path, inode in present.items():
-                if path not in self._seen:
-                    self._seen[path] = inode
-                    self._register(path)
-            self._stop.wait(0.005)
+                pending, self._pending = self._pending, []
+            for path in pending:
+                self._created(path)
+            ready = select.select([self._watcher.fileno()], [], [], 0.05)[0]
+            if ready or self._watcher.poll_deadline():
+                for e in self._watcher.read():
+                    path = os.path.join(e.directory, e.name)
+                    if os.path.dirname(path) != os.path.normpath(self.registry) or not e.name:
+                        continue
+                    if e.is_(ic.IN_DELETE | ic.IN_MOVED_FROM):
+                        self._removed(path)
+                    elif e.is_(ic.IN_CREATE | ic.IN_MOVED_TO):
+                        self._removed(path)  # (a new file at a known path: a new plugin)
+                        self._created(path)
+            with self._lock:
+                wipes = self.model.wipes_due(time.monotonic())
+            for _ in wipes:
+                self.wipes += 1
+                if self.apiserver is not None:
+                    self.apiserver.wipe()
 
-    def _register(self, path: str) -> None:
+    def _removed(self, path: str) -> None:
+        with self._lock:
+            for i in self.model.deregister(time.monotonic(), path):
+                c = self.clients.pop(path, None)
+                if c is not None:
+                    c.close()
+
+    def _created(self, path: str) -> None:
+        try:
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                return
+        except OSError:
+            return
         channel = grpc.insecure_channel("unix:" + path)
         try:
+            grpc.channel_ready_future(channel).result(timeout=10)
             reg = service.stub(service.PLUGIN_REGISTRATION, channel)
-            info = reg.GetInfo(regpb.InfoRequest(), timeout=5)
-            why = ""
-            chosen = next(((v, svc, pb) for v, svc, pb in SPOKEN if v in info.supported_versions and v in self.speaks), None)
-            if info.type != "DRAPlugin":
-                why = f"type {info.type!r}"
-            elif chosen is None:
-                why = f"none of services supported by the plugin ({list(info.supported_versions)}) are supported by the kubelet"
-            elif any(i.endpoint == info.endpoint for i in self.instances):
-                why = f"endpoint {info.endpoint} already registered for DRA driver plugin {info.name}"
+            info = reg.GetInfo(regpb.InfoRequest(), timeout=1)
+            with self._lock:
+                instance, why = self.model.register(time.monotonic(), path, Info(
+                    info.type, info.name, info.endpoint or path, tuple(info.supported_versions)))
             reg.NotifyRegistrationStatus(regpb.RegistrationStatus(plugin_registered=not why, error=why), timeout=5)
-        except grpc.RpcError as e:
-            self.refused.append((path, f"{e.code()}"))
+        except (grpc.RpcError, grpc.FutureTimeoutError) as e:
+            with self._lock:
+                self.model.refused.append((path, f"{type(e).__name__}"))
             return
         finally:
             channel.close()
-        if why:
-            self.refused.append((path, why))
-            return
-        version, svc, pb = chosen
-        stub = service.stub(svc, grpc.insecure_channel("unix:" + info.endpoint))
-        with self._lock:
-            self.instances.append(Instance(path, info.endpoint, version, stub, pb))
+        if instance is not None:
+            c = _Client(self, instance)
+            with self._lock:
+                self.clients[path] = c
+                self.order.append(c)
 
 
 def main(argv=None) -> int:

@@ -3,6 +3,8 @@
 Shared by the tests, the benchmarks and the demo.
 """
 
+import array
+import fcntl
 import glob
 import os
 import re
@@ -14,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESOURCE = "ate.dev/kvm"
@@ -106,15 +108,65 @@ def kernel_stamp(ancillary) -> float:
     raise AssertionError(f"a datagram without its kernel timestamp: {ancillary}")
 
 
+class FdStore:
+    """systemd's file descriptor store (`FileDescriptorStoreMax=`, as DRA mode's drop-in sets it),
+    as the tests stand in for it: what a daemon sent with `FDSTORE=1`, by `FDNAME=`, kept here and
+    handed to the next daemon started with this store as `LISTEN_FDS` (`launch`)."""
+
+    def __init__(self) -> None:
+        self.fds: Dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def put(self, name: str, fd: int) -> None:
+        with self._lock:
+            old = self.fds.pop(name, None)
+            self.fds[name] = fd
+        if old is not None:
+            os.close(old)
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            fd = self.fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+
+    def names(self) -> List[str]:
+        with self._lock:
+            return sorted(self.fds)
+
+    def launch(self, args: List[str]) -> Tuple[List[str], Dict[str, str], Callable[[], None], Tuple[int, ...]]:
+        """How to start a process as systemd does with a store: its argv (a shell sets
+        LISTEN_PID to the pid it then execs), environment, a preexec_fn placing the fds at 3..,
+        and the fds to keep open."""
+        with self._lock:
+            items = sorted(self.fds.items())
+        kept = tuple(range(3, 3 + len(items)))
+
+        def place() -> None:
+            high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for _, fd in items]
+            for i, fd in enumerate(high):
+                os.dup2(fd, 3 + i)
+                os.close(fd)
+        env = {"LISTEN_FDS": str(len(items)), "LISTEN_FDNAMES": ":".join(n for n, _ in items)} if items else {}
+        argv = ["/bin/sh", "-c", 'LISTEN_PID=$$ exec "$@"', "sh", *args] if items else list(args)
+        return argv, env, place, kept
+
+    def close(self) -> None:
+        for name in self.names():
+            self.remove(name)
+
+
 class NotifySocket:
-    """The systemd end of sd_notify: a datagram socket collecting messages.
+    """The systemd end of sd_notify: a datagram socket collecting messages (and, with `store`,
+    the descriptors sent with FDSTORE=1, as systemd keeps them).
 
     Each message's "at" is when the kernel queued the datagram (SO_TIMESTAMPNS), on the
     monotonic clock, not when this thread read it: a reader starved by a loaded machine
     reads several at once, and stamping them then would bunch what the daemon spaced."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, store: Optional[FdStore] = None):
         self.path = path
+        self.store = store
         self.messages: List[dict] = []  # {"at": monotonic, "fields": {...}}
         self._cond = threading.Condition()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -128,13 +180,22 @@ class NotifySocket:
     def _run(self) -> None:
         while not self._stop:
             try:
-                data, ancillary, _, _ = self._sock.recvmsg(65536, socket.CMSG_SPACE(_TIMESPEC.size))
+                data, ancillary, _, _ = self._sock.recvmsg(
+                    65536, socket.CMSG_SPACE(_TIMESPEC.size) + socket.CMSG_SPACE(16 * 4))
             except socket.timeout:
                 continue
             except OSError:
                 return
             at = kernel_stamp(ancillary)
             fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+            fds = [fd for level, kind, raw in ancillary if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+                   for fd in array.array("i", raw[:len(raw) - len(raw) % 4])]
+            if self.store is not None and fields.get("FDSTORE") == "1" and len(fds) == 1:
+                self.store.put(fields.get("FDNAME", "stored"), fds.pop())
+            elif self.store is not None and fields.get("FDSTOREREMOVE") == "1":
+                self.store.remove(fields.get("FDNAME", "stored"))
+            for fd in fds:
+                os.close(fd)
             with self._cond:
                 self.messages.append({"at": at, "fields": fields})
                 self._cond.notify_all()
@@ -180,11 +241,12 @@ class DaemonUnderTest:
 
     def __init__(self, workdir: str, plugin_dir: str, dev_root: str, config: Optional[str] = None,
                  extra_args=(), env=None, log_level: str = "info", metrics_dir: str = "", launcher=("-m", "atedevd"),
-                 cwd: str = REPO):
+                 cwd: str = REPO, fd_store: Optional[FdStore] = None):
+        """`fd_store`: systemd's descriptor store, kept across the daemons started with it."""
         self.workdir = workdir
         self.plugin_dir = plugin_dir
         os.makedirs(workdir, exist_ok=True)
-        self.notify = NotifySocket(os.path.join(workdir, f"notify-{time.monotonic_ns()}"))
+        self.notify = NotifySocket(os.path.join(workdir, f"notify-{time.monotonic_ns()}"), fd_store)
         self.log_path = os.path.join(workdir, f"daemon-{time.monotonic_ns()}.log")
         # `launcher`: how python3 is told to run the CLI (a test may wrap it: `-c CODE`).
         args = [sys.executable, *launcher, "run", "--device-plugin-dir", plugin_dir,
@@ -207,7 +269,13 @@ class DaemonUnderTest:
         full_env.update(env or {})
         self._log = open(self.log_path, "wb")
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(args, cwd=cwd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+        if fd_store is not None:
+            args, listen, place, kept = fd_store.launch(args)
+            full_env.update(listen)
+            self.proc = subprocess.Popen(args, cwd=cwd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+                                         preexec_fn=place, pass_fds=kept)
+        else:
+            self.proc = subprocess.Popen(args, cwd=cwd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
         self.pid = self.proc.pid
 
     @property

@@ -10,7 +10,7 @@ import re
 from typing import Callable, Dict, Optional, Tuple
 
 from atedevd.config import Config
-from atedevd.dra import plugin
+from atedevd.dra import listeners
 from atedevd.dra.cluster import NODE_USER_PREFIX, ClusterError, KubeApi, find_kubeconfig
 from atedevd.dra.slices import DRIVER, class_name
 
@@ -22,7 +22,7 @@ def add(cfg: Config, report, props: Optional[Dict[str, str]], sandbox_state: Cal
         api: Callable[[str], KubeApi] = KubeApi) -> None:
     """Every DRA finding into `report` (atedevd/check/report.py's NodeReport; `sandbox_state` is its
     judgement of a directory in the unit's sandbox)."""
-    root = plugin.kubelet_root(cfg.device_plugin_dir)
+    root = listeners.kubelet_root(cfg.device_plugin_dir)
     _sandbox(root, props, report, sandbox_state)
     path, why = find_kubeconfig(cfg.kubeconfig)
     if path is None:
@@ -111,7 +111,7 @@ def _kubelet(n: dict, node: str, report) -> None:
 
 def _sandbox(root: str, props: Optional[Dict[str, str]], report, sandbox_state) -> None:
     fix = f"install systemd/atedevd.service.d/dra.conf.example as {DROP_IN}; systemctl daemon-reload"
-    for directory in (os.path.join(root, plugin.REGISTRY), plugin.plugin_dir(root)):
+    for directory in (os.path.join(root, listeners.REGISTRY), listeners.plugin_dir(root)):
         ok, text = sandbox_state(directory, props)
         report.add("dra-sandbox", directory, OK if ok else PROBLEM, text, None if ok else fix)
     if props is not None and props.get("PrivateNetwork") == "yes":

@@ -15,16 +15,16 @@ import gc
 import logging
 import math
 import os
-import queue
 import select
 import signal
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 from atedevd.cdi import keeper as cdi_keeper
 from atedevd.config import Config
 from atedevd.config_file.load import ConfigError, load
 from atedevd.daemon import instance, sandbox, textfile
+from atedevd.daemon.inbox import Inbox, pipe
 from atedevd.daemon.host import Host
 from atedevd.daemon.watch import Watcher
 from atedevd.glue import metrics
@@ -78,7 +78,7 @@ class Daemon:
         """Serve until SIGTERM/SIGINT; the caller has taken the instance lock."""
         os.umask(0o077)  # our sockets: owner only
         self._watcher = self.host.watcher = Watcher()
-        self._sig_r, sig_w = _pipe()
+        self._sig_r, sig_w = pipe()
         signal.set_wakeup_fd(sig_w)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)  # the loop reads the number from the wakeup fd
@@ -282,38 +282,6 @@ _DO: Dict[type, Callable[..., None]] = {
 }
 
 
-class Inbox:
-    """Callables handed to the loop by gRPC threads (or by the loop, for its next turn), and
-    the pipe that wakes it."""
-
-    def __init__(self) -> None:
-        self._calls: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
-        self._r, self._w = _pipe()
-
-    def fileno(self) -> int:
-        return self._r
-
-    def post(self, call: Callable[[], None]) -> None:
-        self._calls.put(call)
-        try:
-            os.write(self._w, b"x")
-        except BlockingIOError:
-            pass  # the loop is already due to wake
-
-    def run(self) -> None:
-        """On the loop: every callable handed in so far."""
-        try:
-            os.read(self._r, 4096)
-        except BlockingIOError:
-            pass  # (the pipe is read only to empty it)
-        while True:
-            try:
-                call = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            call()
-
-
 def _wait(fds: List[int], hangups: List[int], wait: Optional[float]) -> List[int]:
     """The fds readable (or, of `hangups`, hung up by their peer) within `wait` seconds
     (None: until one is). Slept, never spun for (a busy loop would take the CPU from the
@@ -330,6 +298,3 @@ def _wait(fds: List[int], hangups: List[int], wait: Optional[float]) -> List[int
     return [fd for fd, _ in poller.poll(None if wait is None else max(0, math.ceil(wait * 1000)))]
 
 
-def _pipe() -> Tuple[int, int]:
-    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    return r, w

@@ -10,7 +10,7 @@ same name is another claim), and every result of our driver must name a device o
 that is listed now.
 """
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from atedevd.dra.slices import DRIVER, DraDevice
 from atedevd.record import Record
@@ -83,10 +83,18 @@ class Book:
         self.claims[ref.uid] = (ref, tuple(devices))
         return self.document()
 
+    def restore(self, uid: str, held: Tuple[ClaimRef, Tuple[Prepared, ...]]) -> None:
+        """A claim taken out whose checkpoint could not be written: held again, as it was."""
+        self.claims[uid] = held
+
     def unprepare(self, uid: str) -> Optional[dict]:
         if self.claims.pop(uid, None) is None:
             return None  # never prepared here, or unprepared already: nothing to undo, and success
         return self.document()
+
+    def held(self) -> Set[str]:
+        """The names of the devices prepared claims hold."""
+        return {p.device_name for _, devs in self.claims.values() for p in devs}
 
     def sharing(self, device_name: str) -> List[str]:
         """The UIDs of the claims that hold a device now."""

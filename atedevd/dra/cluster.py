@@ -95,6 +95,12 @@ class KubeApi:
                 self._client = None
             raise ClusterError(f"{what}: {_reason(e)}", getattr(e, "status", None)) from e
 
+    def warm_up(self) -> None:
+        """Discovery of what DRA mode asks for, done now, so that threads asking at once later
+        find it made (the client's discovery cache is not made for threads filling it together)."""
+        for api_version, kind in (("resource.k8s.io/v1", "ResourceClaim"), ("resource.k8s.io/v1", "ResourceSlice")):
+            self._call(f"discovery of {kind}", lambda: self._resource(api_version, kind))
+
     def whoami(self) -> str:
         """The user the credentials are (`system:node:<name>` for kubelet's)."""
         review = {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}

@@ -1,18 +1,17 @@
-"""DRA mode's daemon: the configured devices judged as in device-plugin mode, their CDI specs
-written, the kubelet plugin served, the claims kubelet prepares kept, and the node's
-ResourceSlices kept true on the API server.
+"""DRA mode's process: the I/O around the `Driver` (atedevd/dra/driver.py), which decides.
 
-Three threads, each with one job. The loop (`run`) looks at the nodes every LOOK_EVERY_S, writes
-what changed to the CDI specs before a device is listed, and says when the slices are to change;
-it also feeds the watchdog and acts on signals. gRPC's threads prepare and unprepare, one call at
-a time: a claim kubelet already holds is answered from the checkpoint, without the API server;
-a new one is read from the API server and checked (atedevd/dra/claims.py), and the checkpoint
-written, before the answer goes. The publisher makes the node's slices what the loop wants
-whenever it is told to or the watch on them says they changed (kubelet deletes a node's
-slices when it starts, and a driver's 30 s after the driver went): it lists them, and writes
-only where they differ, with the pool's generation one higher, so nothing churns while nothing
-changes. An API server out of reach delays the slices and new claims; it never stops a
-prepare kubelet already holds, nor the start.
+The loop is the one owner of the driver. It waits on signals, on the inbox (what the gRPC threads
+and the API server's threads hand it: kubelet's calls, the answers to our questions), on the
+channel to a reload's other process and on inotify in the nodes' directories; it looks at the
+nodes when they change (and every LOOK_EVERY_S, in case an event was lost); and it carries out
+what the driver asks by a table of action types (`_DO`, held to `driver.ACTIONS`): the API
+server's questions on a thread of their own (slices) and on a small pool (claims), so that the
+loop never waits for the network; the checkpoint written and read on the loop; kubelet's
+answers handed back to the waiting gRPC threads; systemd told through sd_notify.
+
+The sockets kubelet dials are held (atedevd/dra/listeners.py): stored with systemd, handed to a
+reload's successor, adopted at the next start. The relay (atedevd/dra/relay.py) carries
+kubelet's connections on them to this run's gRPC server (atedevd/dra/plugin.py).
 """
 
 import errno
@@ -22,43 +21,36 @@ import select
 import signal
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, Optional
 
-from atedevd.cdi import keeper as cdi_keeper
 from atedevd.config import DEFAULT_CONFIG_PATH, Config
 from atedevd.config_file.load import ConfigError, load
-from atedevd.devices.claims import Claims
-from atedevd.dra import checkpoint, plugin
-from atedevd.dra.claims import Book, ClaimRef, allocated
+from atedevd.daemon.inbox import Inbox, pipe
+from atedevd.daemon.watch import Watcher
+from atedevd.dra import checkpoint, driver as d, listeners, plugin
+from atedevd.dra import preparer as prep
+from atedevd.dra import publisher as pub
 from atedevd.dra.cluster import NODE_USER_PREFIX, ClusterError, KubeApi, find_kubeconfig
-from atedevd.dra.slices import DRIVER, DraDevice, by_name, device_name, same_content, slices
-from atedevd.glue.resource import node_table
+from atedevd.dra.look import Look
+from atedevd.glue.notices import Ready, Reloading, StartSuccessor, Status
+from atedevd.glue.resource_events import TimerDue
+from atedevd.dra.relay import Relay
+from atedevd.dra.slices import DRIVER
 from atedevd.kubelet import sockets
+from atedevd.registration.messages import Say
 from atedevd.systemd import Notifier, event
 from atedevd.upgrade import peers
-from atedevd.upgrade.machines import Message
+from atedevd.upgrade.machines import BecomeMain, Exit, MainPid, Send, StopSuccessor
 
 INFO, WARNING, ERROR = logging.INFO, logging.WARNING, logging.ERROR
-LOOK_EVERY_S = 1.0  # the nodes, looked at this often (device-plugin mode also follows inotify)
-RETRY_FIRST_S, RETRY_MOST_S = 0.5, 10.0  # the publisher's back-off when the API server fails
-# A new claim's prepare waits this long for the API server (the first connection, a failed read)
-# before it answers an error: kubelet gives a prepare 45 s, but a pod whose prepare failed is tried
-# again only by its pod sync's back-off, a minute or more later (measured on 1.37).
-PREPARE_WAIT_S = 30.0
-# A reload (SIGHUP, a package upgrade's) hands over to a successor that registers beside us: kubelet
-# 1.33 and newer keep both instances and call the newest, so no prepare finds the driver away.
-DRA_MARK = "dra"  # what a DRA predecessor tells its successor it serves (peers.INHERITED)
-HANDOVER_LATEST_S = 30.0  # the successor registered by then, or it is stopped and we serve on
-KUBELET_AWAY_S = 5.0  # a successor that kubelet has not taken by then takes over all the same
-EX_RUNTIME = 1
+LOOK_EVERY_S = 10.0  # the nodes, looked at this often besides their directories' events
 EX_CONFIG = 78  # the unit does not restart: the sandbox or the file must change first
-
-
 _SAID: set = set()
 
 
 def say(level: int, kind: str, text: str, once: Optional[str] = None, **fields: str) -> None:
-    """A journal line (`once`: a key said at most once per run), as the device-plugin mode's host says it."""
+    """A journal line (`once`: a key said at most once per run)."""
     if once is not None:
         if once in _SAID:
             return
@@ -66,340 +58,96 @@ def say(level: int, kind: str, text: str, once: Optional[str] = None, **fields: 
     event(level, kind, text, **fields)
 
 
-def judged_devices(tables: Dict[str, object], keepers: Dict[str, object], cfg: Config, version: int) -> List[DraDevice]:
-    """Every device that may be listed now: healthy as its table judged it, and its CDI names on
-    disk (a device whose spec could not be written is not listed: no claim could use it)."""
-    out: List[DraDevice] = []
-    seen: Dict[str, str] = {}
-    for d in cfg.devices:
-        snap = tables[d.resource].snapshot(version)  # type: ignore[attr-defined]
-        keeper = keepers[d.resource]
-        keeper.publish(snap, d)  # type: ignore[attr-defined]
-        for key, nodes in snap.grants().items():
-            ids = keeper.names(() if key is None else (key,))  # type: ignore[attr-defined]
-            if not ids or not nodes:
-                continue
-            name = device_name(d.resource, key)
-            if name in seen:
-                say(ERROR, "dra-device-name", f"{d.resource}: device name {name} is {seen[name]}'s already; not listed",
-                    once=f"dra-name:{name}", resource=d.resource)
-                continue
-            seen[name] = d.resource
-            out.append(DraDevice(name, d.resource, nodes[0].path, key is None, tuple(ids),
-                                 tuple(snap.numa(key)) if key is not None else ()))
-    return out
-
-
-class Publisher:
-    """Keeps the node's ResourceSlices what `want` last said, from its own thread."""
-
-    def __init__(self, cfg: Config, status: Callable[[], None]) -> None:
-        self.cfg = cfg
-        self.node: Optional[str] = cfg.node_name
-        self.node_uid: Optional[str] = None
-        self.generation = 0
-        self.published: Optional[Tuple[DraDevice, ...]] = None  # what the server lists now, as far as we know
-        self.problem = ""  # why the slices are not published (the status line says it)
-        self._wanted: Tuple[DraDevice, ...] = ()
-        self._poke = threading.Event()
-        self._stop = threading.Event()
-        self._status = status
-        self._cluster: Optional[KubeApi] = None
-        self.connected = threading.Event()  # the node's name and UID are known: claims can be read
-        self.republished = 0  # slices written again after someone else changed or deleted them
-
-    @property
-    def cluster(self) -> Optional[KubeApi]:
-        return self._cluster
-
-    def want(self, devices: Sequence[DraDevice]) -> None:
-        self._wanted = tuple(devices)
-        self._poke.set()
-
-    def start(self) -> None:
-        threading.Thread(target=self._run, name="dra-publisher", daemon=True).start()
-        threading.Thread(target=self._watch, name="dra-watch", daemon=True).start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._poke.set()
-
-    def _failed(self, text: str) -> None:
-        if text != self.problem:
-            say(WARNING, "dra-api", f"ResourceSlices not published: {text}; trying again")
-            self.problem = text
-            self._status()
-
-    def _connect(self) -> KubeApi:
-        if self._cluster is None:
-            path, why = find_kubeconfig(self.cfg.kubeconfig)
-            if path is None:
-                raise ClusterError(why)
-            self._cluster = KubeApi(path)
-        c = self._cluster
-        if self.node is None:
-            user = c.whoami()
-            if not user.startswith(NODE_USER_PREFIX):
-                raise ClusterError(f"{c.kubeconfig} is {user!r}, not a node's credentials (system:node:<name>): "
-                                   "name the node with [daemon] node_name")
-            self.node = user[len(NODE_USER_PREFIX):]
-            say(INFO, "dra-node", f"node {self.node}: the credentials of {c.kubeconfig} ({user})")
-        if self.node_uid is None:
-            self.node_uid = c.node_uid(self.node)
-        self.connected.set()
-        return c
-
-    def _run(self) -> None:
-        delay = RETRY_FIRST_S
-        while not self._stop.is_set():
-            self._poke.wait()
-            if self._stop.is_set():
-                return
-            self._poke.clear()
-            try:
-                self._ensure(self._connect())
-                delay = RETRY_FIRST_S
-                if self.problem:
-                    say(INFO, "dra-api", "ResourceSlices published again")
-                    self.problem = ""
-                self._status()
-            except ClusterError as e:
-                self._failed(str(e))
-                self._stop.wait(delay)
-                delay = min(RETRY_MOST_S, delay * 2)
-                self._poke.set()
-
-    def _ensure(self, c: KubeApi) -> None:
-        """The node's slices as wanted: listed, and only what differs written."""
-        wanted = self._wanted
-        assert self.node is not None
-        existing, _ = c.slices(self.node, DRIVER)
-        on_server = {str((s.get("metadata") or {}).get("name")): s for s in existing}
-        generations = [int(((s.get("spec") or {}).get("pool") or {}).get("generation") or 0) for s in existing]
-        # The pool's generation never goes back: an earlier run's, or what the server holds, is where it stands.
-        self.generation = max([self.generation] + generations)
-        docs = slices(self.node, self.node_uid, wanted, self.generation)
-        if len(on_server) == len(docs) and all(d["metadata"]["name"] in on_server and
-                                               same_content(on_server[d["metadata"]["name"]], d) for d in docs):
-            self.published = wanted
-            return
-        self.generation += 1
-        if self.published is not None:
-            self.republished += 1
-        for d in slices(self.node, self.node_uid, wanted, self.generation):
-            name = d["metadata"]["name"]
-            if name in on_server:
-                c.replace_slice(d, str(on_server[name]["metadata"].get("resourceVersion", "")))
-            else:
-                c.create_slice(d)
-        names = {d["metadata"]["name"] for d in docs}
-        for name in on_server:
-            if name not in names:
-                c.delete_slice(name)
-        gone = "" if self.published is not None or not existing else " (an earlier run's replaced)"
-        say(INFO, "dra-slices", f"published {len(wanted)} device(s) of node {self.node} in {len(docs)} "
-            f"ResourceSlice(s), pool generation {self.generation}{gone}")
-        self.published = wanted
-
-    def _watch(self) -> None:
-        """Any change to the node's slices (a wipe, someone's edit) pokes the publisher."""
-        delay = RETRY_FIRST_S
-        while not self._stop.is_set():
-            c, node = self._cluster, self.node
-            if c is None or node is None or self.published is None:
-                self._stop.wait(0.2)
-                continue
-            try:
-                _, version = c.slices(node, DRIVER)
-                # What changed between the last watch's end and this list no watch will say: the
-                # publisher looks (a list; nothing is written where nothing differs).
-                self._poke.set()
-                for kind in c.watch_slices(node, DRIVER, version):
-                    if kind in ("DELETED", "MODIFIED", "ADDED"):
-                        self._poke.set()
-                    if self._stop.is_set():
-                        return
-                delay = RETRY_FIRST_S
-            except ClusterError:
-                self._poke.set()  # (the publisher says what failed)
-                self._stop.wait(delay)
-                delay = min(RETRY_MOST_S, delay * 2)
-
-
 class DraNode:
     """One run of DRA mode."""
 
     def __init__(self, cfg: Config, notifier: Notifier, lock_fd: int = -1,
-                 parent: Optional[peers.Parent] = None) -> None:
+                 parent: Optional[peers.Parent] = None, handed: Optional[Dict[str, int]] = None) -> None:
         self.cfg = cfg
         self.notifier = notifier
         self.lock_fd = lock_fd
-        self.parent = parent  # a predecessor we take over from: prepares wait until it is gone
-        self._gate = threading.Event()  # open: this process answers prepares (at once, without a predecessor)
-        if parent is None:
-            self._gate.set()
-        self._told_registered = False
-        self.child: Optional[peers.Child] = None  # our successor, while a reload hands over
-        self._child_since = 0.0
-        self.root = plugin.kubelet_root(cfg.device_plugin_dir)
-        self.state_dir = plugin.plugin_dir(self.root)
-        self.run_id = sockets.new_run_id()
-        self.claims = Claims()
-        self.claims.configure(cfg.devices, cfg.dev_root)
-        self.tables = {d.resource: node_table(d, cfg.dev_root, cfg.sys_root, self.claims) for d in cfg.devices}
-        self.specs = cdi_keeper.Specs(say)
-        self.keepers: Dict[str, object] = {}
-        self.book = Book()
-        self._lock = threading.Lock()  # one prepare or unprepare at a time
-        self.devices: Dict[str, DraDevice] = {}
-        self._version = 0
-        self.registered = ""  # the service kubelet chose, once it said it took us
-        self.publisher = Publisher(cfg, self._status)
-        self.server: Optional[plugin.DraSockets] = None
-        self._signal: Optional[int] = None
+        self.parent = parent
+        self.child: Optional[peers.Child] = None
+        self.root = listeners.kubelet_root(cfg.device_plugin_dir)
+        self.state_dir = listeners.plugin_dir(self.root)
+        self.listeners = listeners.Listeners(self.root)
+        self.handed = handed or {}
+        self.inbox = Inbox()
+        self.calls = plugin.Calls(self.post)
+        self.driver = d.Driver(cfg.node_name, successor=parent is not None, inherited=bool(self.handed))
+        self.look: Optional[Look] = None
+        self.watcher: Optional[Watcher] = None
+        self.server: Optional[plugin.DraServer] = None
+        self.relay: Optional[Relay] = None
+        self.stored = False  # the listening sockets are in systemd's store
+        self._cluster: Optional[KubeApi] = None
+        self._slices_lane = ThreadPoolExecutor(1, thread_name_prefix="dra-slices")
+        self._claims_lane = ThreadPoolExecutor(4, thread_name_prefix="dra-claims")
+        self._watching = False
+        self._stop = threading.Event()
 
-    # --- gRPC threads --------------------------------------------------------------------------
+    # --- what other threads hand the loop -----------------------------------------------------------
 
-    def prepare(self, claims: List[Tuple[str, str, str]]) -> Dict[str, dict]:
-        out: Dict[str, dict] = {}
-        self._gate.wait(HANDOVER_LATEST_S)  # (a successor: its predecessor's last claims are on disk first)
-        with self._lock:
-            for namespace, name, uid in claims:
-                ref = ClaimRef(namespace, name, uid)
-                held = self.book.answer(uid)
-                if held is not None:
-                    out[uid] = {"devices": held}
-                    continue
-                out[uid] = self._prepare_new(ref)
-        return out
+    def post(self, event_: object) -> None:
+        self.inbox.post(lambda: self.handle(event_))
 
-    def _prepare_new(self, ref: ClaimRef) -> dict:
-        deadline = time.monotonic() + PREPARE_WAIT_S
-        if not self.publisher.connected.wait(PREPARE_WAIT_S):
-            return {"error": f"claim {ref.namespace}/{ref.name}: the API server has not been reached in "
-                             f"{PREPARE_WAIT_S:.0f} s ({self.publisher.problem or 'starting'})"}
-        c, pool = self.publisher.cluster, self.publisher.node
-        assert c is not None and pool is not None
-        while True:
-            try:
-                claim = c.claim(ref.namespace, ref.name)
-                break
-            except ClusterError as e:
-                status = e.status
-                if (status is not None and 400 <= status < 500 and status not in (401, 429)) or \
-                        time.monotonic() >= deadline:
-                    return {"error": str(e)}  # (a claim that is not there, or not ours to read: no wait helps)
-                time.sleep(0.2)
-        devices, why = allocated(claim, ref, pool, self.devices)
-        held = [(p.device_name, self.book.sharing(p.device_name)) for p in devices or ()
-                if not self.devices[p.device_name].shared and self.book.sharing(p.device_name)]
-        if held:  # a pattern unit is one container's: the scheduler never allocates it twice, nor do we
-            devices, why = None, (f"claim {ref.namespace}/{ref.name}: device {held[0][0]} is prepared for claim "
-                                  f"{held[0][1][0]} already, and is one claim's at a time")
-        if devices is None:
-            say(WARNING, "dra-prepare", f"not prepared: {why}")
-            return {"error": why}
-        doc = self.book.prepare(ref, devices)
-        try:
-            checkpoint.write(self.state_dir, doc)
-        except OSError as e:
-            self.book.unprepare(ref.uid)
-            return {"error": f"claim {ref.namespace}/{ref.name}: the checkpoint could not be written: {e}"}
-        say(INFO, "dra-prepared", f"prepared claim {ref.namespace}/{ref.name} ({ref.uid}): "
-            + ", ".join(f"{p.device_name} ({', '.join(p.cdi_ids)})" for p in devices))
-        return {"devices": tuple(devices)}
+    def handle(self, event_: object) -> None:
+        self._perform(self.driver.handle(time.monotonic(), event_))  # type: ignore[arg-type]
 
-    def unprepare(self, claims: List[Tuple[str, str, str]]) -> Dict[str, str]:
-        out: Dict[str, str] = {}
-        self._gate.wait(HANDOVER_LATEST_S)
-        with self._lock:
-            for namespace, name, uid in claims:
-                doc = self.book.unprepare(uid)
-                out[uid] = ""
-                if doc is None:
-                    continue
-                try:
-                    checkpoint.write(self.state_dir, doc)
-                except OSError as e:
-                    out[uid] = f"claim {namespace}/{name}: the checkpoint could not be written: {e}"
-                    continue
-                say(INFO, "dra-unprepared", f"unprepared claim {namespace}/{name} ({uid})")
-        return out
+    # --- the sockets -------------------------------------------------------------------------------------
 
-    def _registered(self, ok: bool, error: str) -> None:
-        if ok:
-            self.registered = "yes"
-            self._tell_registered()
-            say(INFO, "dra-registered", f"kubelet registered DRA driver {DRIVER} ({self.server.service_path if self.server else ''})")
-        else:
-            self.registered = ""
-            say(ERROR, "dra-registration", f"kubelet refused DRA driver {DRIVER}: {error}")
-        self._status()
-
-    # --- the loop -------------------------------------------------------------------------------
-
-    def status_line(self) -> str:
-        n = len(self.devices)
-        kubelet = "registered with kubelet" if self.registered else "waiting for kubelet"
-        if self.publisher.problem:
-            slices_text = f"slices not published ({self.publisher.problem[:120]})"
-        elif self.publisher.published is None:
-            slices_text = "slices not published yet"
-        else:
-            slices_text = f"{len(self.publisher.published)} device(s) published, generation {self.publisher.generation}"
-        return f"DRA: {kubelet}; {n} device(s) judged present; {slices_text}; {len(self.book.claims)} claim(s) prepared"
-
-    def _status(self) -> None:
-        self.notifier.status(self.status_line())
-
-    def _look(self, first: bool = False) -> None:
-        changed = first
-        for d in self.cfg.devices:
-            changes, news = self.tables[d.resource].look(True)
-            for ch in changes:
-                say(ch.level, ch.event, f"{d.resource}: {ch.message}", resource=d.resource, device=ch.device or d.path)
-            changed |= news
-        if not changed:
-            return
-        self._version += 1
-        devices = judged_devices(self.tables, self.keepers, self.cfg, self._version)
-        self.devices = by_name(devices)
-        self.publisher.want(devices)
-        self._status()
-
-    def start(self) -> None:
-        cfg = self.cfg
-        doc, why = checkpoint.read(self.state_dir)
-        if why:
-            say(ERROR, "dra-checkpoint", f"prepared claims not read: {why}; claims kubelet holds are read from the API "
-                "server again")
-        elif doc is not None:
-            why = self.book.load(doc)
-            if why:
-                say(ERROR, "dra-checkpoint", f"{os.path.join(self.state_dir, checkpoint.FILE)}: {why}; not used")
-            else:
-                say(INFO, "dra-checkpoint", f"{len(self.book.claims)} prepared claim(s) known from the checkpoint")
-        self.specs.configure(cfg._replace(cdi=True, device_specs=False))
-        self.keepers = {d.resource: self.specs.keeper(d.resource) for d in cfg.devices}
-        self._look(first=True)
+    def _serve(self) -> None:
+        """The listening sockets (handed to us, or bound), this run's gRPC server, the relay."""
+        for why in self.listeners.adopt(self.handed):
+            say(WARNING, "dra-sockets", f"a socket handed to us was not taken: {why}")
         plugin.remove_leftovers(self.root, say)
-        self.server = plugin.DraSockets(self.root, self.run_id, plugin.PluginInfoService(
-            plugin.service_path(self.root, self.run_id), self._registered), self.prepare, self.unprepare)
+        bound = self.listeners.bind()
+        run = sockets.new_run_id()
+        self.server = plugin.DraServer(plugin.inner_path(self.root, run), self.listeners.paths[listeners.SERVICE],
+                                    self.calls, lambda ok, error: self.post(d.RegistrationSaid(ok, error)))
         self.server.start()
-        say(INFO, "dra-serving", f"serving DRA driver {DRIVER} at {self.server.service_path}, registration at "
-            f"{self.server.registration_path}")
-        self.publisher.start()
-        self._started_at = time.monotonic()
+        self.relay = Relay(self.listeners.sockets, self.server.path)
+        self.relay.start()
+        how = "bound anew" if bound else "kept from the last run"
+        if self.listeners.adopted and self.parent is not None:
+            how = "handed over by the predecessor"
+        say(INFO, "dra-serving", f"serving DRA driver {DRIVER} at {self.listeners.paths[listeners.SERVICE]}, "
+            f"registration at {self.listeners.paths[listeners.REGISTRATION]} ({how})")
+        if bound and self.parent is None:
+            self._store()
+
+    def _store(self) -> None:
+        """Our listening sockets with systemd, for the next start (those it kept already stay)."""
+        self.stored = self.notifier.store_fds(self.listeners.names()) or self.stored
+
+    def _serve_again(self, gone: str) -> None:
+        """Someone removed or replaced a socket file of ours: new ones, stored instead."""
+        say(WARNING, "dra-socket", f"{gone} was removed or replaced by someone else; serving on new sockets")
+        old = list(self.listeners.names())
+        self.relay.stop()  # type: ignore[union-attr]
+        self.listeners.close(remove=True)
+        self.notifier.drop_fds(old)
+        self.handed = {}
+        self._serve_sockets_only()
+
+    def _serve_sockets_only(self) -> None:
+        self.listeners.bind()
+        assert self.server is not None
+        self.relay = Relay(self.listeners.sockets, self.server.path)
+        self.relay.start()
         if self.parent is None:
-            self.notifier.ready(self.status_line())
+            self._store()
+
+    # --- the loop ----------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        self._wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        signal.set_wakeup_fd(wake_w)  # (a signal's byte wakes the loop's select)
+        self._wake_r, wake_w = pipe()
+        signal.set_wakeup_fd(wake_w)
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(s, self._on_signal)
+            signal.signal(s, lambda *_: None)  # (the loop reads the number from the wakeup fd)
         try:
-            self.start()
+            self.look = Look(self.cfg, say)
+            self._serve()
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
@@ -407,143 +155,289 @@ class DraNode:
                 "under atedevd.service DRA mode needs the drop-in dra.conf (docs/dra.md), which makes kubelet's plugin "
                 "directories writable and lets it reach the API server")
             return EX_CONFIG
-        assert self.server is not None
+        self.watcher = Watcher()
+        self._looked(first=True)
+        self._perform(self.driver.start(time.monotonic()))
+        next_look = time.monotonic() + LOOK_EVERY_S
         next_dog = 0.0
-        while True:
-            sig = self._signal
-            if sig is not None:
-                self._signal = None
-                if sig == signal.SIGHUP:
-                    cfg = self._hangup()
-                    if cfg is not None and cfg.api == "dra" and self.child is None and self.parent is None:
-                        self._start_successor()
-                    elif cfg is not None and self.child is None and self.parent is None:
-                        return self._stop("restarting to apply the configuration")
-                    continue
-                if self.child is not None:
-                    self.child.terminate()
-                return self._stop(f"stopping ({signal.Signals(sig).name})")
-            if self.child is not None:
-                done = self._successor_news()
-                if done is not None:
-                    return done
-            if self.parent is not None:
-                self._predecessor_news()
+        while self.driver.exit_code is None:
             now = time.monotonic()
             if self.notifier.watchdog_interval and now >= next_dog:
                 self.notifier.watchdog()
                 next_dog = now + self.notifier.watchdog_interval
-            self._look()
-            self.specs.wake(now)
-            self._status()  # (the claims prepared since; said only when the line changed)
-            gone = self.server.missing()
+            due = self.driver.deadline()
+            if due is not None and now >= due:
+                self.handle(TimerDue())
+                continue
+            times = [t for t in (due, next_look, self.watcher.poll_deadline(),
+                                 next_dog if self.notifier.watchdog_interval else None) if t is not None]
+            peer = self.child if self.child is not None else self.parent
+            fds = [self._wake_r, self.inbox.fileno(), self.watcher.fileno()]
+            if peer is not None and peer.fileno() >= 0:
+                fds.append(peer.fileno())
+            ready = select.select(fds, [], [], max(0.0, min(times) - now))[0]
+            if self._wake_r in ready:
+                self._signals()
+            if self.inbox.fileno() in ready:
+                self.inbox.run()
+            if peer is not None and peer.fileno() in ready:
+                self._peer(peer)
+            events = self.watcher.read() if self.watcher.fileno() in ready or self.watcher.poll_deadline() else []
+            if events or time.monotonic() >= next_look:
+                next_look = time.monotonic() + LOOK_EVERY_S
+                self._looked()
+            self.look.wake(time.monotonic())
+            gone = self.listeners.missing() if not self.driver.unserving else None
             if gone:
-                say(WARNING, "dra-socket", f"{gone} was removed or replaced by someone else; serving on new sockets")
-                self.server.stop(0)
-                self.run_id = sockets.new_run_id()
-                self.server = plugin.DraSockets(self.root, self.run_id, plugin.PluginInfoService(
-                    plugin.service_path(self.root, self.run_id), self._registered), self.prepare, self.unprepare)
-                self.server.start()
-            channels = [c.fileno() for c in (self.child, self.parent) if c is not None and c.fileno() >= 0]
-            if select.select([self._wake_r] + channels, [], [], LOOK_EVERY_S)[0]:  # a signal or a peer: at once
-                while True:
-                    try:
-                        os.read(self._wake_r, 512)
-                    except BlockingIOError:
-                        break
+                self._serve_again(gone)
+        self._finish()
+        return self.driver.exit_code
 
-    def _on_signal(self, signum, frame) -> None:
-        self._signal = signum
+    def _looked(self, first: bool = False) -> None:
+        assert self.look is not None and self.watcher is not None
+        devices = self.look.look(first)
+        self.watcher.want(self.look.directories())
+        if devices is not None:
+            self.handle(d.Looked(devices))
 
-    def _hangup(self) -> Optional[Config]:
-        """SIGHUP: the file is checked. A good one is applied by a successor that registers beside
-        us and takes over (the installed atedevd, so a package upgrade's reload runs the new code);
-        a switch to the device plugin API by a restart (systemd's Restart=always starts the daemon
-        again); a bad file changes nothing."""
+    def _signals(self) -> None:
+        try:
+            data = os.read(self._wake_r, 64)
+        except BlockingIOError:
+            return
+        for signum in data:
+            if signum == signal.SIGHUP:
+                self.handle(self._hangup())
+            elif signum in (signal.SIGTERM, signal.SIGINT):
+                self.handle(d.Terminate(signal.Signals(signum).name))
+
+    def _hangup(self) -> d.Hangup:
         try:
             cfg = load(self.cfg.source or DEFAULT_CONFIG_PATH, required=self.cfg.source is not None)
         except ConfigError as e:
-            say(ERROR, "reload", f"configuration not applied, still serving as before:\n{e}")
-            return None
-        if cfg.api != "dra":
-            say(WARNING, "reload", f'[daemon] api = "{cfg.api}": restarting into it (drain the node first: docs/dra.md)')
-        return cfg
+            return d.Hangup(None, str(e))
+        return d.Hangup(cfg.api)
 
-    # --- a reload: the handover to a successor ------------------------------------------------------
-
-    def _start_successor(self) -> None:
-        self.notifier.reloading()
-        try:
-            self.child = peers.Child(self.lock_fd, (DRA_MARK,))
-        except OSError as e:
-            say(ERROR, "reload", f"the successor could not be started ({e}); still serving as before")
-            self.notifier.ready(self.status_line())
-            return
-        self._child_since = time.monotonic()
-        say(INFO, "reload", "configuration read: a successor registers beside this process and takes over")
-
-    def _successor_news(self) -> Optional[int]:
-        """What the successor said: REGISTERED (it serves: it becomes main, we leave), or its end
-        (it failed: we serve on). The exit status once we are done, else None."""
-        child = self.child
-        assert child is not None
-        for message in child.receive():
-            if message is Message.REGISTERED and child.pid is not None:
-                self.notifier.main_pid(child.pid)
-                code = self._stop(f"handed over to pid {child.pid}")  # (our sockets go: kubelet calls it alone)
-                child.send(Message.MAIN)
-                return code
-            if message is None:
-                why = child.ended(wait_s=1.0) or "exited"
-                say(ERROR, "reload", f"the successor {why} before it was registered; still serving as before")
+    def _peer(self, peer) -> None:
+        for message in peer.receive():
+            if peer is self.child and message is None:
+                why = self.child.ended(wait_s=1.0) or "exited"
                 self.child = None
-                self.notifier.ready(self.status_line())
-                return None
-        if time.monotonic() - self._child_since > HANDOVER_LATEST_S:
-            say(ERROR, "reload", f"the successor was not registered in {HANDOVER_LATEST_S:.0f} s; stopped it, still "
-                "serving as before")
-            child.kill()
-            self.child = None
-            self.notifier.ready(self.status_line())
-        return None
+                self.handle(d.SuccessorFailed(f"{why} before it served"))
+            else:
+                self.handle(d.Heard(message))
 
-    def _tell_registered(self) -> None:
-        if self.parent is not None and not self._told_registered:
-            self._told_registered = True
-            self.parent.send(Message.REGISTERED)
-
-    def _predecessor_news(self) -> None:
-        """A successor's: kubelet took us (or is away), we said so; MAIN (or the predecessor's end)
-        makes us systemd's main process, with every claim it prepared read from the checkpoint."""
-        parent = self.parent
-        assert parent is not None
-        if not self._told_registered and time.monotonic() - self._started_at > KUBELET_AWAY_S:
-            self._tell_registered()  # kubelet is away: nothing calls either of us
-        for message in parent.receive():
-            if message is Message.MAIN or message is None:
-                parent.close()
-                self.parent = None
-                self.notifier.become_main()
-                doc, why = checkpoint.read(self.state_dir)
-                with self._lock:
-                    if doc is not None and not why:
-                        self.book.load(doc)
-                self._gate.set()
-                say(INFO, "reload", f"took over: {len(self.book.claims)} prepared claim(s) known")
-                self.notifier.ready(self.status_line())
-                return
-
-    def _stop(self, why: str) -> int:
-        """Sockets gone (kubelet forgets this instance), the checkpoint and the CDI specs kept:
-        kubelet's prepared claims still resolve while we are down."""
-        say(INFO, "stopping", why)
-        self.notifier.stopping()
-        self.publisher.stop()
+    def _finish(self) -> None:
+        """Our copies of what is held go (systemd's, or the successor's, stay), the threads end."""
+        self._stop.set()
+        if self.relay is not None:
+            self.relay.stop()
         if self.server is not None:
-            self.server.stop()
-        return 0
+            self.server.stop(0)
+        self.listeners.close(remove=False)
+        self._slices_lane.shutdown(wait=False)
+        self._claims_lane.shutdown(wait=False)
+
+    # --- the actions ---------------------------------------------------------------------------------------
+
+    def _perform(self, actions) -> None:
+        for a in actions:
+            _DO[type(a)](self, a)
+
+    def _say(self, a: Say) -> None:
+        say(a.level, a.kind, a.text, once=a.once)
+
+    def _status(self, a: Status) -> None:
+        self.notifier.status(a.text)
+
+    def _ready(self, a: Ready) -> None:
+        self.notifier.ready(self.driver.status())
+
+    def _reloading(self, a: Reloading) -> None:
+        self.notifier.reloading()
+
+    def _read_checkpoint(self, a: d.ReadCheckpoint) -> None:
+        doc, why = checkpoint.read(self.state_dir)
+        self.handle(d.CheckpointRead(doc, why))
+
+    def _write_checkpoint(self, a: prep.WriteCheckpoint) -> None:
+        try:
+            checkpoint.write(self.state_dir, a.document)
+            error = ""
+        except OSError as e:
+            error = f"{os.path.join(self.state_dir, checkpoint.FILE)}: {e.strerror or e}"
+        self.handle(prep.CheckpointWritten(a.call, error))
+
+    def _answer(self, a: prep.Answer) -> None:
+        self.calls.answer(a.call, a.outcomes)
+
+    def _health(self, a: d.Health) -> None:
+        if self.server is not None:
+            self.server.board.set(a.pool, a.devices)
+
+    # the API server, off the loop
+
+    def _api(self, lane: ThreadPoolExecutor, work: Callable[[], object], failed: Callable[[ClusterError], object]) -> None:
+        def run():
+            try:
+                result = work()
+            except ClusterError as e:
+                result = failed(e)
+            self.post(result)
+        try:
+            lane.submit(run)
+        except RuntimeError:
+            pass  # (stopping)
+
+    def _connect(self, a: pub.Connect) -> None:
+        def work():
+            if self._cluster is None:
+                path, why = find_kubeconfig(self.cfg.kubeconfig)
+                if path is None:
+                    raise ClusterError(why)
+                self._cluster = KubeApi(path)
+            c = self._cluster
+            node = self.cfg.node_name
+            user = c.whoami()
+            if node is None:
+                if not user.startswith(NODE_USER_PREFIX):
+                    raise ClusterError(f"{c.kubeconfig} is {user!r}, not a node's credentials (system:node:<name>): "
+                                       "name the node with [daemon] node_name")
+                node = user[len(NODE_USER_PREFIX):]
+            uid = c.node_uid(node)
+            c.warm_up()  # (the resources the claims' threads use, found before they run at once)
+            self._watch(c, node)
+            return pub.Connected(node, uid, user)
+        self._api(self._slices_lane, work, lambda e: pub.ApiFailed(str(e)))
+
+    def _list(self, a: pub.ListSlices) -> None:
+        c = self._cluster
+        assert c is not None
+        self._api(self._slices_lane, lambda: pub.SlicesListed(tuple(c.slices(a.node, DRIVER)[0])),
+                  lambda e: pub.ApiFailed(str(e)))
+
+    def _write(self, a: pub.WriteSlices) -> None:
+        c = self._cluster
+        assert c is not None
+
+        def work():
+            for doc in a.creates:
+                c.create_slice(doc)
+            for doc, version in a.replaces:
+                c.replace_slice(doc, version)
+            for name in a.deletes:
+                c.delete_slice(name)
+            return pub.Written()
+        self._api(self._slices_lane, work, lambda e: pub.ApiFailed(str(e)))
+
+    def _read_claim(self, a: prep.ReadClaim) -> None:
+        c = self._cluster
+        assert c is not None
+        ref = a.ref
+        self._api(self._claims_lane, lambda: prep.ClaimRead(a.call, ref.uid, c.claim(ref.namespace, ref.name)),
+                  lambda e: prep.ClaimNotRead(a.call, ref.uid, str(e), e.status))
+
+    def _watch(self, c: KubeApi, node: str) -> None:
+        """A thread that tells the publisher of every change to the node's slices (a wipe, an
+        edit), and that it began anew (what changed between two watches no watch says)."""
+        if self._watching:
+            return
+        self._watching = True
+
+        def run():
+            delay = pub.RETRY_FIRST_S
+            while not self._stop.is_set():
+                try:
+                    _, version = c.slices(node, DRIVER)
+                    self.post(pub.SlicesChanged())
+                    for _ in c.watch_slices(node, DRIVER, version):
+                        self.post(pub.SlicesChanged())
+                        if self._stop.is_set():
+                            return
+                    delay = pub.RETRY_FIRST_S
+                except ClusterError:
+                    self._stop.wait(delay)
+                    delay = min(pub.RETRY_MOST_S, delay * 2)
+        threading.Thread(target=run, name="dra-watch", daemon=True).start()
+
+    # a reload's handover, a stop
+
+    def _start_successor(self, a: StartSuccessor) -> None:
+        try:
+            self.child = peers.Child(self.lock_fd, a.served, fds=self.listeners.names())
+        except OSError as e:
+            self.handle(d.SuccessorFailed(f"could not be started ({e})"))
+
+    def _stop_successor(self, a: StopSuccessor) -> None:
+        if self.child is not None:
+            self.child.kill() if a.kill else self.child.terminate()
+            if a.kill:
+                self.child = None
+
+    def _main_pid(self, a: MainPid) -> None:
+        if self.child is not None and self.child.pid is not None:
+            self.notifier.main_pid(self.child.pid)
+
+    def _send(self, a: Send) -> None:
+        peer = self.child if self.child is not None else self.parent
+        if peer is not None:
+            peer.send(a.message)
+
+    def _become_main(self, a: BecomeMain) -> None:
+        self.notifier.become_main()
+        if self.parent is not None:
+            self.parent.close()
+            self.parent = None
+        if not self.listeners.adopted:
+            self._store()  # (our predecessor handed us nothing: an older atedevd)
+
+    def _unserve(self, a: d.Drain) -> None:
+        """Kubelet's connections let go of once all it sent on them is answered (atedevd/dra/relay.py):
+        then `Unserved`. New ones wait in the backlog for the successor or the next start."""
+        assert self.server is not None and self.relay is not None
+        self.server.board.close()  # (kubelet opens the health stream again where it connects next)
+        relay = self.relay
+        relay.drain()
+        if a.remove:
+            self.notifier.drop_fds(list(self.listeners.names()))
+            self.listeners.close(remove=True)
+
+        def wait():
+            relay.drained.wait()
+            self.post(d.Drained())
+        threading.Thread(target=wait, name="dra-unserve", daemon=True).start()
+
+    def _serve_on(self, a: d.Resume) -> None:
+        old = self.server
+        self.server = plugin.DraServer(plugin.inner_path(self.root, sockets.new_run_id()),
+                                    self.listeners.paths[listeners.SERVICE], self.calls,
+                                    lambda ok, error: self.post(d.RegistrationSaid(ok, error)))
+        self.server.start()
+        self.relay.resume(self.server.path)  # type: ignore[union-attr]
+        if old is not None:
+            old.stop(0)
+
+    def _stopping(self, a: d.Stopping) -> None:
+        self.notifier.stopping()
+
+    def _exit(self, a: Exit) -> None:
+        pass  # (the loop ends on the driver's exit code)
+
+
+_DO: Dict[type, Callable] = {
+    Say: DraNode._say, Status: DraNode._status, Ready: DraNode._ready, Reloading: DraNode._reloading,
+    d.ReadCheckpoint: DraNode._read_checkpoint, prep.WriteCheckpoint: DraNode._write_checkpoint,
+    prep.Answer: DraNode._answer, d.Health: DraNode._health, pub.Connect: DraNode._connect,
+    pub.ListSlices: DraNode._list, pub.WriteSlices: DraNode._write, prep.ReadClaim: DraNode._read_claim,
+    StartSuccessor: DraNode._start_successor, StopSuccessor: DraNode._stop_successor, MainPid: DraNode._main_pid,
+    Send: DraNode._send, BecomeMain: DraNode._become_main, d.Drain: DraNode._unserve, d.Resume: DraNode._serve_on,
+    d.Stopping: DraNode._stopping, Exit: DraNode._exit,
+}
 
 
 def run(cfg: Config, lock_fd: int = -1, parent: Optional[peers.Parent] = None) -> int:
     """DRA mode's process; `parent`: the DRA predecessor we take over from (a reload)."""
-    return DraNode(cfg, Notifier(quiet=parent is not None), lock_fd, parent).run()
+    handed, why = listeners.handed_to_us(os.environ)
+    if why:
+        say(WARNING, "dra-sockets", f"the sockets handed to this process were not taken: {why}")
+    return DraNode(cfg, Notifier(quiet=parent is not None), lock_fd, parent, handed).run()

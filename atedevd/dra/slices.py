@@ -17,6 +17,8 @@ from atedevd.record import Record
 
 DRIVER = "ate.dev"  # the DRA driver name; kubelet finds the plugin by it
 MAX_DEVICES_PER_SLICE = 128  # the API server's limit
+MAX_TAINTED_PER_SLICE = 64  # ... where a device of the slice has taints
+GONE = "ate.dev/node-gone"  # the taint of a device whose node went while a claim holds it
 NUMA_ATTRIBUTE = "resource.kubernetes.io/numaNode"
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
@@ -30,6 +32,7 @@ class DraDevice(Record):
     shared: bool  # one node any number of claims may share
     cdi_ids: Tuple[str, ...]  # qualified CDI names, on disk
     numa: Tuple[int, ...] = ()
+    taint: str = ""  # a taint's key (GONE): listed, but the scheduler allocates it no more
 
 
 def device_name(resource: str, unit: Optional[str]) -> str:
@@ -58,6 +61,8 @@ def _device_entry(d: DraDevice) -> dict:
     entry: dict = {"name": d.name, "attributes": attributes}
     if d.shared:
         entry["allowMultipleAllocations"] = True
+    if d.taint:
+        entry["taints"] = [{"key": d.taint, "effect": "NoSchedule"}]
     return entry
 
 
@@ -67,7 +72,8 @@ def slices(node: str, node_uid: Optional[str], devices: Sequence[DraDevice], gen
     Node takes them along. A node with no device publishes one empty slice: the pool says there
     is nothing, rather than nothing saying so."""
     ordered = sorted(devices, key=lambda d: d.name)
-    chunks = [ordered[i:i + MAX_DEVICES_PER_SLICE] for i in range(0, len(ordered), MAX_DEVICES_PER_SLICE)] or [[]]
+    most = MAX_TAINTED_PER_SLICE if any(d.taint for d in ordered) else MAX_DEVICES_PER_SLICE
+    chunks = [ordered[i:i + most] for i in range(0, len(ordered), most)] or [[]]
     out = []
     for i, chunk in enumerate(chunks):
         meta: dict = {"name": slice_name(node, i)}
@@ -83,20 +89,30 @@ def slices(node: str, node_uid: Optional[str], devices: Sequence[DraDevice], gen
     return out
 
 
-def same_content(published: Mapping, wanted: Mapping) -> bool:
+def same_content(published: Mapping, wanted: Mapping, taints: bool = True) -> bool:
     """Whether a slice on the server lists what we want it to (its pool's generation aside):
-    no update is sent for a slice that says it already."""
+    no update is sent for a slice that says it already. `taints`: compared too (an API server
+    without device taints, DRADeviceTaints off, drops them)."""
     a, b = dict(published.get("spec") or {}), dict(wanted.get("spec") or {})
     pa, pb = dict(a.pop("pool", None) or {}), dict(b.pop("pool", None) or {})
     pa.pop("generation", None), pb.pop("generation", None)
-    return pa == pb and _comparable(a) == _comparable(b) and \
+    return pa == pb and _comparable(a, taints) == _comparable(b, taints) and \
         (published.get("metadata") or {}).get("ownerReferences") == (wanted.get("metadata") or {}).get("ownerReferences")
 
 
-def _comparable(spec: dict) -> dict:
-    """A slice's spec without what the server adds by default (an empty list, a false flag)."""
+def _comparable(spec: dict, taints: bool) -> dict:
+    """A slice's spec without what the server adds by default (an empty list, a false flag, a
+    taint's timeAdded)."""
     out = {k: v for k, v in spec.items() if v not in (None, [], {}, False)}
-    out["devices"] = [{k: v for k, v in d.items() if v not in (None, [], {}, False)} for d in spec.get("devices") or ()]
+    devices = []
+    for d in spec.get("devices") or ():
+        d = {k: v for k, v in d.items() if v not in (None, [], {}, False)}
+        if "taints" in d:
+            d["taints"] = [{k: v for k, v in t.items() if k != "timeAdded" and v not in (None, "")} for t in d["taints"]]
+        if not taints:
+            d.pop("taints", None)
+        devices.append(d)
+    out["devices"] = devices
     return out
 
 

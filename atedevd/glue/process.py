@@ -18,6 +18,7 @@ import logging
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Type, Union
 
 from atedevd.config import Config
+from atedevd.glue.notices import Ready, Reloading, StartSuccessor, Status
 from atedevd.glue.plugin_dir import PluginDir, Standing
 from atedevd.kubelet.identity import KubeletFound, upgrade_beside
 from atedevd.record import Record
@@ -34,16 +35,6 @@ class StartWork(Record):
     """The start's deferred work: every first Register is on its way (or the wait is over)."""
 
 
-class Status(Record):
-    """`STATUS=`: what each resource's registration is, in one line (it changed)."""
-
-    text: str
-
-
-class Ready(Record):
-    """`READY=1` again, with the status: a reload, or an upgrade's take-back, is over."""
-
-
 class WriteMetrics(Record):
     """What the metrics show may have changed."""
 
@@ -52,19 +43,8 @@ class ServingBegan(Record):
     """A resource began to be served: the daemon notes whether its directory is a mount."""
 
 
-class Reloading(Record):
-    """`RELOADING=1`: a SIGHUP is being acted on."""
-
-
 class ReadConfig(Record):
     """Read the configuration file again: `Process.reloaded` or `reload_failed` follows."""
-
-
-class StartSuccessor(Record):
-    """The installed atedevd is another: start it, handing it what we serve (`Process.successor_started`
-    or `successor_failed` follows)."""
-
-    served: Tuple[str, ...]
 
 
 ProcessAction = Union[StartWork, Status, Ready, WriteMetrics, ServingBegan, Reloading, ReadConfig, StartSuccessor,

@@ -26,6 +26,7 @@ from atedevd.upgrade.machines import Message
 CHANNEL_FD = "ATEDEVD_HANDOFF_FD"  # the successor's end of the channel
 LOCK_FD = "ATEDEVD_LOCK_FD"  # the instance lock, held by both
 INHERITED = "ATEDEVD_INHERITED"  # the resources the predecessor serves, comma-separated
+HANDED_FDS = "ATEDEVD_DRA_FDS"  # DRA mode: the listening sockets handed over, "name=fd,..."
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # atedevd/, every subpackage in it
 
 
@@ -56,18 +57,23 @@ class Child:
     is the one to stop, and an exit of it other than 0 is the successor's: it failed before
     it forked."""
 
-    def __init__(self, lock_fd: int, inherited: Iterable[str]) -> None:
+    def __init__(self, lock_fd: int, inherited: Iterable[str], fds: Optional[Mapping[str, int]] = None) -> None:
+        """`fds`: descriptors it is handed too, by name (DRA mode's listening sockets)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         env.update({CHANNEL_FD: str(theirs.fileno()), LOCK_FD: str(lock_fd), INHERITED: ",".join(inherited)})
+        handed = dict(fds or {})
+        if handed:
+            env[HANDED_FDS] = ",".join(f"{name}={fd}" for name, fd in handed.items())
         argv = _command_line()
-        lock_inherited = os.get_inheritable(lock_fd)
+        kept = {fd: os.get_inheritable(fd) for fd in [lock_fd, *handed.values()]}
         try:
-            for fd in (theirs.fileno(), lock_fd):
+            for fd in (theirs.fileno(), lock_fd, *handed.values()):
                 os.set_inheritable(fd, True)
             self.spawned: Optional[int] = os.posix_spawn(argv[0], argv, env)
         finally:
-            os.set_inheritable(lock_fd, lock_inherited)
+            for fd, was in kept.items():
+                os.set_inheritable(fd, was)
             theirs.close()
         ours.setblocking(False)
         self.channel = ours
