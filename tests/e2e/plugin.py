@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from rig.harness import REPO, DaemonUnderTest, gone, wait_until
+from rig.harness import REPO, DaemonUnderTest, FdStore, gone, wait_until
 from tests.e2e import build
 
 KVM_TABLE = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
@@ -27,8 +27,11 @@ class Atedevd:
     """One node's atedevd across its processes: started, restarted, reloaded, upgraded."""
 
     def __init__(self, cluster, devices: str = KVM_TABLE, cdi: bool = False, endpoints: Optional[str] = None,
-                 log_level: str = "info", daemon: str = ""):
+                 log_level: str = "info", daemon: str = "", store: bool = False):
+        """`store`: systemd's file descriptor store kept for its processes (FileDescriptorStoreMax=, as
+        DRA mode's drop-in sets it; rig/harness.FdStore)."""
         self.cluster = cluster
+        self.fd_store = FdStore() if store else None
         self.work = cluster.root / "atedevd"
         self.work.mkdir(exist_ok=True)
         self.site = self.work / "site"
@@ -68,7 +71,7 @@ class Atedevd:
         """A new process (systemd's ExecStart=); with `wait`, until it said READY=1."""
         run = self.work / f"run-{len(self.generations)}"
         d = DaemonUnderTest(str(run), plugin_dir=str(self.cluster.plugin_dir), dev_root="/dev", config=str(self.config),
-                            log_level=self.log_level, launcher=self.launcher())
+                            log_level=self.log_level, launcher=self.launcher(), fd_store=self.fd_store)
         self.generations.append(d)
         self.successor = None
         if wait:
@@ -163,3 +166,5 @@ class Atedevd:
         self.successor = None
         for d in self.generations:
             d.close()
+        if self.fd_store is not None:
+            self.fd_store.close()

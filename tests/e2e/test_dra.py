@@ -1,11 +1,15 @@
 """DRA mode on a real node (`[daemon] api = "dra"`, docs/dra.md): kubelet's own credentials publish
 the node's ResourceSlice, the DeviceClass maps `ate.dev/kvm` to it (`extendedResourceName`), and
 pods whose spec is unchanged (`ate.dev/kvm: 1`) get a claim the scheduler made, prepared by
-atedevd, and open /dev/kvm through its CDI name; an atedevd restart, a kill -9 and a kubelet
-restart each leave the running pods untouched and the slice back. kubelet 1.36 and newer
-(extended resources through DRA: beta and on in 1.36, GA in 1.37)."""
+atedevd, and open /dev/kvm through its CDI name; 100 pods share it, a pattern's units are each one
+pod's; an upgrade, an atedevd restart, a kill -9 and a kubelet restart each leave the running pods
+untouched and the slice there, and pods sent during each start once the driver answers. atedevd
+runs with systemd's descriptor store (rig/harness.FdStore), as the unit with DRA mode's drop-in
+does. kubelet 1.36 and newer (extended resources through DRA: beta and on in 1.36, GA in 1.37)."""
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import time
 
@@ -21,23 +25,41 @@ from tests.e2e.plugin import Atedevd
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 CLASSES = "/apis/resource.k8s.io/v1/deviceclasses"
 CLAIMS = f"/apis/resource.k8s.io/v1/namespaces/{w.NS}/resourceclaims"
+SERIAL = "ate.dev/e2e-serial"
+MAJOR = 188  # USB serial adapters' numbers: a driverless node the device policy lets pods have
+UNITS = 2
 
 
 @pytest.fixture
-def dra_node(cluster):
+def serial_dir(cluster):
+    """A pattern's units: nodes made with mknod in a directory of the host's /dev."""
+    path = f"/dev/ae2e-{cluster.id}"
+    os.mkdir(path, 0o755)
+    for i in range(UNITS):
+        os.mknod(f"{path}/ttyE2E{i}", 0o660 | 0o020000, os.makedev(MAJOR, i))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def dra_node(cluster, serial_dir):
     """atedevd in DRA mode on the node, once kubelet no longer counts the resource as a device
-    plugin's (the Node's allocatable 0: the scheduler then takes the DRA way), with the DeviceClass."""
+    plugin's (the Node's allocatable 0: the scheduler then takes the DRA way), with the DeviceClasses."""
     if minor(cluster.kubelet_version) < (1, 36):
         pytest.skip(f"kubelet {cluster.kubelet_version}: extended resources through DRA need 1.36 (1.34 with gates)")
     wait_for("the Node to count no device-plugin ate.dev/kvm", lambda: cluster.allocatable(w.RESOURCE) == "0", 120, 0.5)
-    try:
-        cluster.api.create(CLASSES, dra_slices.device_class(w.RESOURCE))
-    except ApiError as e:
-        if e.status != 409:
-            raise
-    a = Atedevd(cluster, cdi=True, daemon=f'api = "dra"\nkubeconfig = "{cluster.kubeconfigs["kubelet"]}"\n')
+    for resource in (w.RESOURCE, SERIAL):
+        try:
+            cluster.api.create(CLASSES, dra_slices.device_class(resource))
+        except ApiError as e:
+            if e.status != 409:
+                raise
+    devices = (f'[[device]]\nresource = "{w.RESOURCE}"\npath = "/dev/kvm"\n\n'
+               f'[[device]]\nresource = "{SERIAL}"\npath = "{serial_dir}/ttyE2E*"\n')
+    a = Atedevd(cluster, devices=devices, cdi=True, store=True,
+                daemon=f'api = "dra"\nkubeconfig = "{cluster.kubeconfigs["kubelet"]}"\n')
     a.start()
-    wait_for("the node's ResourceSlice", lambda: node_slices(cluster), 60, 0.05)
+    wait_for("the node's ResourceSlice", lambda: len(devices_listed(cluster)) == 1 + UNITS or None, 60, 0.05)
     registered(a, 1)
     yield a
     clean_pods(cluster)
@@ -46,10 +68,13 @@ def dra_node(cluster):
     cluster._extra_cleanup.remove(a.close)
 
 
+def registrations(a: Atedevd) -> int:
+    return a.log().count("kubelet registered DRA driver")
+
+
 def registered(a: Atedevd, times: int) -> None:
     """kubelet has taken the driver `times` times (across the processes of this test)."""
-    wait_for("kubelet to register the driver", lambda: a.log().count("kubelet registered DRA driver") >= times or None,
-             60, 0.01)
+    wait_for("kubelet to register the driver", lambda: registrations(a) >= times or None, 60, 0.01)
 
 
 def node_slices(cluster) -> list:
@@ -57,13 +82,16 @@ def node_slices(cluster) -> list:
             and s["spec"].get("driver") == dra_slices.DRIVER]
 
 
+def devices_listed(cluster) -> list:
+    return sorted(d["name"] for s in node_slices(cluster) for d in s["spec"]["devices"])
+
+
 def running(cluster, name: str) -> dict:
     return cluster.api.get(f"{w.PODS}/{name}")
 
 
 def test_an_unchanged_pod_gets_a_claim_prepared_by_atedevd_and_opens_kvm(dra_node, cluster, figure):
-    [s] = node_slices(cluster)
-    assert [d["name"] for d in s["spec"]["devices"]] == ["kvm"], s
+    assert "kvm" in devices_listed(cluster)
     t0 = time.monotonic()
     cluster.api.create(w.PODS, w.pod("dra-asks", cluster.image))
     pod = w.wait_probed(cluster.api, cluster.pod_logs, "dra-asks")
@@ -79,9 +107,9 @@ def test_an_unchanged_pod_gets_a_claim_prepared_by_atedevd_and_opens_kvm(dra_nod
            "DRA mode: an unchanged ate.dev/kvm: 1 pod", "opens (measured)")
 
 
-def test_ten_pods_share_kvm_and_a_pod_with_its_own_claim_too(dra_node, cluster, figure):
+def test_a_hundred_pods_share_kvm_and_a_pod_with_its_own_claim_too(dra_node, cluster, figure):
     t0 = time.monotonic()
-    cluster.api.create(w.DEPLOYMENTS, w.deployment("dra-many", cluster.image, replicas=10))
+    cluster.api.create(w.DEPLOYMENTS, w.deployment("dra-many", cluster.image, replicas=100))
     claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "own-kvm"},
              "spec": {"devices": {"requests": [{"name": "kvm", "exactly": {"deviceClassName": "kvm.ate.dev"}}]}}}
     cluster.api.create(CLAIMS, claim)
@@ -89,59 +117,103 @@ def test_ten_pods_share_kvm_and_a_pod_with_its_own_claim_too(dra_node, cluster, 
     own["spec"]["resourceClaims"] = [{"name": "kvm", "resourceClaimName": "own-kvm"}]
     own["spec"]["containers"][0]["resources"] = {"claims": [{"name": "kvm"}]}
     cluster.api.create(w.PODS, own)
+
     def all_running():
         pods = [p for p in w.pods_of(cluster.api, "dra-many") if pod_phase(p) == "Running"]
-        return pods if len(pods) == 10 else None
-    pods = wait_for("10 running pods", all_running, 180, 0.5)
+        return pods if len(pods) == 100 else None
+    pods = wait_for("100 running pods", all_running, 600, 1.0)
     took = time.monotonic() - t0
     opened = [w.seen(cluster.pod_logs, w.wait_probed(cluster.api, cluster.pod_logs, p["metadata"]["name"])).get("open")
               for p in pods]
-    assert opened == ["ok"] * 10, opened
+    assert opened == ["ok"] * 100, opened
+    assert not [p for p in w.pods_of(cluster.api, "dra-many") if rejected(p)]
     mine = w.wait_probed(cluster.api, cluster.pod_logs, "dra-own")
     assert w.seen(cluster.pod_logs, mine)["open"] == "ok"
-    figure(f"10 pods of a Deployment share /dev/kvm, Running in {took:.1f} s; a pod with its own claim opens it too",
-           "DRA mode: 10 pods share one /dev/kvm; a ResourceClaim pod", "all open (measured)")
+    figure(f"100 pods of a Deployment share /dev/kvm, Running in {took:.1f} s; a pod with its own claim opens it too",
+           "DRA mode: 100 pods share one /dev/kvm; a ResourceClaim pod", "all open (measured)")
+
+
+def test_a_pattern_unit_is_one_pod_s_and_a_pod_more_than_units_waits(dra_node, cluster, serial_dir, figure):
+    paths = [f"{serial_dir}/ttyE2E{i}" for i in range(UNITS)]
+    for i in range(UNITS + 1):
+        cluster.api.create(w.PODS, w.pod(f"dra-serial{i}", cluster.image, resource=SERIAL, paths=paths, hold=True))
+    got = {}
+    for i in range(UNITS):
+        p = w.wait_probed(cluster.api, cluster.pod_logs, f"dra-serial{i}")
+        present = {k: v for k, v in w.opened_paths(cluster.pod_logs, p).items() if v != "ENOENT"}
+        assert len(present) == 1, present  # exactly its own unit's node, nothing else of the pattern
+        (path, errno), = present.items()
+        assert errno != "EPERM", present  # the device cgroup lets it in (no driver behind it: ENXIO)
+        got[f"dra-serial{i}"] = path
+    assert len(set(got.values())) == UNITS, got  # exclusive: no node given twice
+    waiting = cluster.api.get(f"{w.PODS}/dra-serial{UNITS}")
+    assert pod_phase(waiting) == "Pending" and not waiting["spec"].get("nodeName"), waiting["status"]
+    cluster.api.delete(f"{w.PODS}/dra-serial0")
+    p = w.wait_probed(cluster.api, cluster.pod_logs, f"dra-serial{UNITS}", timeout=180)
+    present = {k: v for k, v in w.opened_paths(cluster.pod_logs, p).items() if v != "ENOENT"}
+    assert list(present) == [got["dra-serial0"]], present  # the unit let go of, and only it
+    figure(f"{UNITS} units, {UNITS + 1} pods: each running pod has its own unit's node alone, the last waits "
+           "unscheduled and gets the unit let go of", "DRA mode: pattern units are exclusive", "exclusive (measured)")
 
 
 @pytest.mark.parametrize("event", ["atedevd upgrade", "atedevd SIGTERM", "atedevd kill -9", "kubelet restart"])
-def test_running_pods_are_untouched_and_the_slice_comes_back(dra_node, cluster, figure, event):
+def test_running_pods_are_untouched_and_pods_sent_during_start_once_the_driver_answers(dra_node, cluster, figure, event):
     cluster.api.create(w.PODS, w.pod("dra-held", cluster.image, hold=True))
     wait_for("dra-held running", lambda: pod_phase(running(cluster, "dra-held")) == "Running" or None, 120, 0.2)
     uid = running(cluster, "dra-held")["metadata"]["uid"]
-    registrations = dra_node.log().count("kubelet registered DRA driver")
+    before = registrations(dra_node)
     generation = node_slices(cluster)[0]["spec"]["pool"]["generation"]
+    sent = []
+
+    def send():
+        name = f"dra-during{len(sent)}"
+        cluster.api.create(w.PODS, w.pod(name, cluster.image))
+        sent.append((name, time.monotonic()))
     t0 = time.monotonic()
     if event == "kubelet restart":
         cluster.stop_kubelet()
+        send()  # (the scheduler binds it; kubelet sees it once it is back)
         cluster.start_kubelet()
-        # kubelet deletes the node's slices as it starts; atedevd publishes them again, one generation on
-        try:
-            wait_for("the slice wiped and published again", lambda: [s for s in node_slices(cluster)
-                                                                     if s["spec"]["pool"]["generation"] > generation] or None,
-                     60, 0.01)
-        except AssertionError as e:
-            wiped = [ln for ln in cluster.kubelet_log.read_text(errors="replace").splitlines() if "ResourceSlice" in ln]
-            raise AssertionError(f"{e}\nslices now: {node_slices(cluster)}\nkubelet: {wiped[-10:]}\n"
-                                 f"atedevd: {dra_node.log()[-3000:]}") from None
+        send()
     elif event == "atedevd upgrade":  # a file of the package replaced, then the postinst's reload: a handover
-        cluster.api.create(w.PODS, w.pod("dra-during", cluster.image))  # sent as the handover begins
+        send()
         dra_node.upgrade()
+        send()
     else:
-        dra_node.restart(signal.SIGTERM if "SIGTERM" in event else signal.SIGKILL)
-    if event != "atedevd upgrade":
-        cluster.api.create(w.PODS, w.pod("dra-during", cluster.image))  # sent while the driver is away
-    wait_for("the slice back", lambda: node_slices(cluster), 60, 0.01)
+        dra_node.stop(signal.SIGTERM if "SIGTERM" in event else signal.SIGKILL)
+        send()  # while no atedevd runs: its prepare waits in the socket's backlog
+        dra_node.start(wait=False)
+    send()
+    if event == "kubelet restart":  # kubelet deletes the node's slices as it starts: published again, one on
+        wait_for("the slice wiped and published again", lambda: [s for s in node_slices(cluster)
+                                                                 if s["spec"]["pool"]["generation"] > generation] or None,
+                 60, 0.01)
+        registered(dra_node, before + 1)
     back = time.monotonic() - t0
-    registered(dra_node, registrations + 1)
-    answered = time.monotonic() - t0
-    during = w.wait_probed(cluster.api, cluster.pod_logs, "dra-during", timeout=400)
-    started = time.monotonic() - t0
+    probed = {name: (w.wait_probed(cluster.api, cluster.pod_logs, name, timeout=400), at) for name, at in sent}
+    took = {name: max(0.0, _probed_at(cluster, p) - at) for name, (p, at) in probed.items()}
     held = running(cluster, "dra-held")
     assert held["metadata"]["uid"] == uid and pod_phase(held) == "Running", held.get("status")
-    assert not rejected(during) and w.seen(cluster.pod_logs, during)["open"] == "ok", during.get("status")
-    why = " (its prepare failed while no instance was registered: kubelet tried again on its pod-sync back-off)" \
-        if started > 10 else ""
-    figure(f"{event}: the running pod untouched; the slice back after {back * 1000:.0f} ms, the driver registered "
-           f"after {answered * 1000:.0f} ms; a pod sent meanwhile not rejected, probed {started:.1f} s after the "
-           f"event{why}",
-           f"DRA mode: {event}", f"slice back {back:.1f} s; pod sent meanwhile ran after {started:.0f} s (measured)")
+    for name, (p, _) in probed.items():
+        assert not rejected(p) and w.seen(cluster.pod_logs, p)["open"] == "ok", (name, p.get("status"))
+    if event != "kubelet restart":
+        assert registrations(dra_node) == before, "kubelet registered the driver anew: it saw it go"
+        assert devices_listed(cluster) and node_slices(cluster)[0]["spec"]["pool"]["generation"] == generation, \
+            "the slices changed: kubelet wiped them, or a run published anew"
+    slowest = max(took.values())
+    figure(f"{event}: the running pod untouched; {len(sent)} pods sent around it, none rejected, each created -> "
+           f"running {', '.join(f'{t:.1f}' for t in took.values())} s; the slice "
+           + (f"back after {back * 1000:.0f} ms" if event == "kubelet restart" else "never left, no new registration"),
+           f"DRA mode: {event}", f"pods sent during ran within {slowest:.1f} s (measured)")
+
+
+def _probed_at(cluster, pod: dict) -> float:
+    """When the pod's container started, on our monotonic clock (its status's startedAt is the wall's)."""
+    import calendar
+
+    state = (pod.get("status", {}).get("containerStatuses") or [{}])[0].get("state", {})
+    started = (state.get("running") or state.get("terminated") or {}).get("startedAt")
+    if not started:
+        return time.monotonic()
+    wall = calendar.timegm(time.strptime(started, "%Y-%m-%dT%H:%M:%SZ"))
+    return time.monotonic() - (time.time() - wall)
