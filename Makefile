@@ -25,7 +25,7 @@ demo: deps
 # and the time taken last, and the slowest tests above them.
 FAST_TESTS := tests/unit tests/process tests/simulation tests/meta tests/rig
 check: typecheck
-	SIM_ROUNDS=500 $(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m "not slow" $(FAST_TESTS)
+	SIM_ROUNDS=500 SIM_DRA_ROUNDS=100 $(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m "not slow" $(FAST_TESTS)
 
 # The whole suite, JOBS test files at a time (pytest-xdist; one worker per file, so a
 # module's container or kubelet is its own), the slowest first (tests/conftest.py), and
@@ -101,11 +101,14 @@ bench-registration: deps
 	ROUNDS=$(ROUNDS) $(PYTHON) -m pytest -q -p no:cacheprovider tests/process/test_registration.py
 
 # The registration simulation: SIM_ROUNDS seeded rounds per scenario and kubelet generation (`make test`
-# and CI run 2000), then the same with less to see kubelet by (pod-resources only; nothing but a fixed wait):
-# what each fallback costs. A failure prints its seed; --replay SEED prints that round.
+# and CI run 2000), DRA mode's SIM_DRA_ROUNDS per scenario and mode (CI: 300), then the registration's
+# with less to see kubelet by (pod-resources only; nothing but a fixed wait): what each fallback costs.
+# A failure prints its seed; --replay SEED prints that round.
 SIM_ROUNDS ?= 10000
+SIM_DRA_ROUNDS ?= 2000
 sim:
 	$(PYTHON) -m tests.simulation --rounds $(SIM_ROUNDS)
+	$(PYTHON) -m tests.simulation --api dra --rounds $(SIM_DRA_ROUNDS)
 	-$(PYTHON) -m tests.simulation --rounds 1000 --blind
 	-$(PYTHON) -m tests.simulation --rounds 1000 --blind --no-pod-resources
 

@@ -4,7 +4,8 @@ Kubelet may ask again for a claim already prepared (a retry, its own restart), m
 unprepare a claim in another instance than the one that prepared it (an upgrade), and must get
 the same answer every time: so a prepared claim's answer is kept, by UID, in a checkpoint
 (atedevd/dra/checkpoint.py) written before the answer goes out, and a claim kubelet already holds
-is answered from it without the API server. A claim is prepared from its allocation as the API
+is answered from it without the API server (the file also keeps the node pool's generation, which
+a new run carries on from even where kubelet has deleted the slices). A claim is prepared from its allocation as the API
 server has it: the UID must be the one kubelet names (a claim deleted and made anew under the
 same name is another claim), and every result of our driver must name a device of our pool
 that is listed now.
@@ -73,6 +74,7 @@ class Book:
 
     def __init__(self) -> None:
         self.claims: Dict[str, Tuple[ClaimRef, Tuple[Prepared, ...]]] = {}
+        self.generation = 0  # the node pool's, as last written: a new run never publishes a lower one
 
     def answer(self, uid: str) -> Optional[Tuple[Prepared, ...]]:
         """A claim already prepared: what it was answered, again."""
@@ -101,7 +103,7 @@ class Book:
         return sorted(uid for uid, (_, devs) in self.claims.items() if any(p.device_name == device_name for p in devs))
 
     def document(self) -> dict:
-        return {"version": CHECKPOINT_VERSION, "driver": DRIVER, "claims": {
+        return {"version": CHECKPOINT_VERSION, "driver": DRIVER, "generation": self.generation, "claims": {
             uid: {"namespace": ref.namespace, "name": ref.name,
                   "devices": [{"requestNames": list(p.request_names), "pool": p.pool_name, "device": p.device_name,
                                "cdiDeviceIDs": list(p.cdi_ids), "shareID": p.share_id} for p in devs]}
@@ -122,5 +124,8 @@ class Book:
                 claims[str(uid)] = (ref, devs)
         except (KeyError, TypeError, AttributeError) as e:
             return f"a claim in it is malformed ({type(e).__name__}: {e})"
-        self.claims = claims
+        generation = doc.get("generation", 0)  # (an earlier atedevd's has none)
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+            return f"its generation {generation!r} is not a count"
+        self.claims, self.generation = claims, generation
         return ""

@@ -219,16 +219,24 @@ class Driver:
     # --- the parts ------------------------------------------------------------------------------------
 
     def _publisher(self, now: float, event) -> None:
-        if isinstance(event, pub.SlicesChanged) and self.role is not MAIN:
-            return  # (a successor publishes once main; a process handing over or stopping, no more)
+        if isinstance(event, pub.SlicesChanged) and self.role in (SUCCESSOR, STOPPING):
+            return  # (a successor publishes once main, after its predecessor's last word; one stopping, no more)
         was = self.publisher.connected
-        self._out += self.publisher.handle(now, event)
+        for a in self.publisher.handle(now, event):
+            if isinstance(a, pub.WriteSlices) and self.book.generation != self.publisher.generation:
+                # The generation on disk first: a run after a crash and a wipe by kubelet carries on above it.
+                self.book.generation = self.publisher.generation
+                self._out.append(prep.WriteCheckpoint(0, self.book.document()))
+            self._out.append(a)
         if self.publisher.connected and not was:
             assert self.publisher.node is not None
             self._out += self.preparer.handle(now, prep.Reachable(self.publisher.node))
             self._health_now()
 
     def _preparer(self, now: float, event) -> None:
+        if isinstance(event, prep.CheckpointWritten) and event.call == 0 and event.error:
+            self._out.append(Say(ERROR, "dra-checkpoint", f"the pool's generation was not kept: {event.error}",
+                                 once="dra-generation"))
         self._out += self.preparer.handle(now, event)
         if isinstance(event, prep.CheckpointWritten) and self._gone() != self._gone_listed:
             self._want(now)  # (a claim that held a gone device let go of it: the device leaves)
@@ -269,6 +277,7 @@ class Driver:
                                                           "holds are read from the API server again"))
         elif event.document is not None:
             why = self.book.load(event.document)
+            self.publisher.generation = max(self.publisher.generation, self.book.generation)
             if why:
                 self._out.append(Say(ERROR, "dra-checkpoint", f"the checkpoint was not used: {why}"))
             elif self.role is MAIN:

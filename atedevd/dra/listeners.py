@@ -66,7 +66,15 @@ class Listeners:
         refused = []
         for name, fd in handed.items():
             kind, _, ino = name.rpartition(".")
-            s = socket.socket(fileno=fd)
+            try:
+                s = socket.socket(fileno=fd)
+            except OSError as e:  # not a socket at all (the store keeps any descriptor)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                refused.append(f"{name}: not a socket ({e.strerror or e})")
+                continue
             path = self.paths.get(kind)
             why = ""
             if path is None or not ino.isdigit():
@@ -124,6 +132,16 @@ class Listeners:
                 return self.paths[kind]
         return None
 
+    def remove_files(self) -> None:
+        """The files go where they are still ours (the registration first: kubelet forgets the
+        driver before its service goes); the sockets stay open until `close`."""
+        for kind in (REGISTRATION, SERVICE):
+            if kind in self.inodes and _inode(self.paths[kind]) == self.inodes[kind]:
+                try:
+                    os.unlink(self.paths[kind])
+                except OSError:
+                    pass
+
     def close(self, remove: bool) -> None:
         """Our copies closed; `remove`: the files too, where they are still ours (the
         registration first: kubelet forgets the driver before its service goes)."""
@@ -145,16 +163,19 @@ def handed_to_us(environ: MutableMapping[str, str]) -> Tuple[Dict[str, int], str
     (HANDED), or from systemd's file descriptor store (LISTEN_FDS, for this pid); the
     variables are taken out of the environment. Returns (name -> fd, "") or ({}, why not)."""
     handed = environ.pop(HANDED_FDS, None)
-    if handed is not None:
+    count, pid = environ.pop("LISTEN_FDS", ""), environ.pop("LISTEN_PID", "")
+    names = environ.pop("LISTEN_FDNAMES", "").split(":")
+    if handed is not None:  # (systemd's were for our predecessor, whose pid LISTEN_PID names)
         out = {}
         for item in handed.split(","):
             name, _, fd = item.partition("=")
             if name and fd.isdigit():
-                os.set_inheritable(int(fd), False)
+                try:
+                    os.set_inheritable(int(fd), False)
+                except OSError:
+                    continue  # (not open: nothing handed there)
                 out[name] = int(fd)
         return out, ""
-    count, pid = environ.pop("LISTEN_FDS", ""), environ.pop("LISTEN_PID", "")
-    names = environ.pop("LISTEN_FDNAMES", "").split(":")
     if not count:
         return {}, ""
     if pid != str(os.getpid()):

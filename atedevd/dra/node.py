@@ -398,9 +398,9 @@ class DraNode:
         self.server.board.close()  # (kubelet opens the health stream again where it connects next)
         relay = self.relay
         relay.drain()
-        if a.remove:
+        if a.remove:  # (kubelet forgets the driver; our sockets close once the relay is done with them)
             self.notifier.drop_fds(list(self.listeners.names()))
-            self.listeners.close(remove=True)
+            self.listeners.remove_files()
 
         def wait():
             relay.drained.wait()

@@ -45,17 +45,20 @@ class _Frames:
     """One direction's frames, read as they pass: where the next one begins, and what a
     frame header says. `swallow` (kubelet's side): our PING's answer is not passed on."""
 
-    __slots__ = ("preface", "head", "left", "held")
+    __slots__ = ("preface", "head", "left", "held", "ends", "frames")
 
     def __init__(self, preface: int) -> None:
         self.preface = preface  # bytes of the client preface still to pass
         self.head = b""  # a frame header, partly read
         self.left = 0  # payload bytes of the current frame still to pass
         self.held: Optional[bytearray] = None  # a PING answer being read whole
+        self.ends = 0  # the stream the current frame ends, once its payload has passed (0: none)
+        self.frames = 0  # whole frames passed
 
     @property
     def between(self) -> bool:
-        return not self.preface and not self.head and not self.left and self.held is None
+        """At a frame's boundary, after the first frame (a server's SETTINGS must come first)."""
+        return not self.preface and not self.head and not self.left and self.held is None and self.frames > 0
 
 
 class _Conn:
@@ -78,7 +81,7 @@ class _Conn:
 
 class Relay:
     def __init__(self, listeners: Dict[str, socket.socket], inner_path: str) -> None:
-        self.listeners = listeners
+        self.listeners = dict(listeners)  # (its own: the caller's may change while the thread reads this)
         self.inner_path = inner_path
         self.drained = threading.Event()
         self.connections = 0  # accepted since the start
@@ -264,7 +267,8 @@ class Relay:
         return bytes(out)
 
     def _down(self, c: _Conn, data: bytes) -> bytes:
-        """The server's bytes: streams it ends; our GOAWAY put in between two frames when due."""
+        """The server's bytes: streams it ends (once the frame that ends one has passed whole);
+        our GOAWAY put in between two frames when due."""
         f, out, i, n = c.down, bytearray(), 0, len(data)
         while i < n:
             if f.left:
@@ -280,10 +284,14 @@ class Relay:
                     continue
                 hi, lo, kind, flags, stream = _HEADER.unpack(f.head)
                 length, stream = (hi << 8) | lo, stream & LAST_STREAM
-                if (kind in (DATA, HEADERS) and flags & END_STREAM) or kind == RST_STREAM:
-                    c.open.discard(stream)
+                ends = (kind in (DATA, HEADERS) and flags & END_STREAM) or kind == RST_STREAM
                 out += f.head
-                f.head, f.left = b"", length
+                f.head, f.left, f.ends = b"", length, stream if ends else 0
+            if not f.left and not f.head:
+                f.frames += 1
+                if f.ends:
+                    c.open.discard(f.ends)
+                    f.ends = 0
             if f.between and self._draining and not c.going_away:
                 c.going_away = True
                 out += GOING_AWAY

@@ -306,12 +306,14 @@ def end_state(w: World) -> List[str]:
 
 class Round(NamedTuple):
     """One round's outcome: its seed, the seed of the world it ran in (its own when it began
-    cold), the problems with its end state (none: healthy), and how many events it took."""
+    cold), the problems with its end state (none: healthy), how many events it took, and (DRA
+    mode) how many of its pods kubelet had to prepare again."""
 
     seed: int
     world_seed: int
     problems: List[str]
     events: int
+    delayed: int = 0
 
 
 def run_rounds(first: int, count: int, mode: str, scenario: str, max_delay: float = 1.0, keep: bool = False,
@@ -377,23 +379,30 @@ def run_round(seed: int, mode: str, scenario: str, max_delay: float = 1.0, keep:
     return rounds[-1].problems, history, rounds[-1].events, taken
 
 
-def _chunk(args) -> Tuple[str, str, int, List, int, set]:
+def _chunk(args) -> Tuple[str, str, int, List, int, set, int]:
     scenario, mode, first, rounds, max_delay, variant = args
-    done, taken, _ = run_rounds(first, rounds, mode, scenario, max_delay, **variant)
+    variant = dict(variant)
+    if variant.pop("api", None) == "dra":
+        from tests.simulation.dra_scenarios import run_rounds as runner
+    else:
+        runner = run_rounds
+    done, taken, _ = runner(first, rounds, mode, scenario, max_delay, **variant)
     failures = [(r.seed, r.world_seed, r.problems) for r in done if r.problems]
-    return scenario, mode, rounds, failures, sum(r.events for r in done), taken
+    return scenario, mode, rounds, failures, sum(r.events for r in done), taken, sum(r.delayed for r in done)
 
 
 def run_matrix(scenarios, modes, rounds: int, first_seed: int, max_delay: float, jobs: int,
                variant: Optional[dict] = None) -> Dict:
-    """Every scenario x mode, `rounds` seeds each, spread over `jobs` processes."""
+    """Every scenario x mode, `rounds` seeds each, spread over `jobs` processes (`variant`'s "api":
+    "dra" runs DRA mode's, tests/simulation/dra_scenarios.py)."""
     per = max(1, min(500, rounds // max(jobs, 1)))
     work = []
     for s in scenarios:
         for m in modes:
             for start in range(0, rounds, per):
                 work.append((s, m, first_seed + start, min(per, rounds - start), max_delay, variant or {}))
-    results: Dict = {(s, m): {"rounds": 0, "failures": [], "events": 0, "taken": set()} for s in scenarios for m in modes}
+    results: Dict = {(s, m): {"rounds": 0, "failures": [], "events": 0, "taken": set(), "delayed": 0}
+                     for s in scenarios for m in modes}
     if jobs > 1:
         pool = multiprocessing.get_context("fork").Pool(jobs)
         try:
@@ -405,8 +414,9 @@ def run_matrix(scenarios, modes, rounds: int, first_seed: int, max_delay: float,
         pool.join()
     else:
         chunks = [_chunk(w) for w in work]
-    for s, m, n, failures, events, taken in chunks:
+    for s, m, n, failures, events, taken, delayed in chunks:
         r = results[(s, m)]
+        r["delayed"] += delayed
         r["rounds"] += n
         r["failures"] += failures
         r["events"] += events

@@ -10,10 +10,8 @@ random delay on the world's clock. Directory events reach the daemon in
 batches of random size, in order, as inotify's `watch.DirEvent`s.
 """
 
-import heapq
 import multiprocessing.util
 import os
-import random
 import shutil
 import tempfile
 from typing import Callable, Dict, List, Optional
@@ -34,6 +32,7 @@ from atedevd.glue.process import (Process, ReadConfig, Ready, Reloading, Serving
 from atedevd.kubelet.identity import KubeletFound
 from atedevd.registration.messages import Say, State
 from atedevd.upgrade.machines import BecomeMain, Exit, MainPid, Message, Send, StopSuccessor, UpgradePhase
+from tests.simulation.clock import Clock
 from tests.simulation.host import KUBELET_SOCK, PLUGIN_DIR, SimHost, SimServer
 from tests.simulation.kubelet import KubeletModel
 from tests.simulation.udev import Udev
@@ -92,16 +91,10 @@ _MASKS = {"create": ic.IN_CREATE, "delete": ic.IN_DELETE, "moved_to": ic.IN_MOVE
           "gone": ic.IN_DELETE_SELF, "made": ic.IN_CREATE | ic.IN_ISDIR}
 
 
-class World:
+class World(Clock):
     def __init__(self, seed: int, mode: str, max_delay: float = 1.0, pod_resources: bool = True, count: int = 1024,
                  connections_visible: bool = True, agent_rps: float = 80.0, udev: bool = False, cdi: bool = True):
-        self.rng = random.Random(seed)
-        self.seed = seed
-        self.now = 0.0
-        self.max_delay = max_delay
-        self._q: list = []
-        self._seq = 0
-        self._pending = 0  # queued events that are not a process's timer (`timer_at`)
+        super().__init__(seed, max_delay)
         self.fs = Directory(self)
         self.kubelet = KubeletModel(self, mode, pod_resources, agent_rps)
         self.count = count
@@ -118,9 +111,6 @@ class World:
         self.processes: List["AtedevdProcess"] = []  # every atedevd process alive (two during an upgrade)
         self.ever: List["AtedevdProcess"] = []  # every atedevd process started, alive or not
         self.daemons = 0
-        self.said: List[tuple] = []  # (time, level, kind, text) of every daemon that ran
-        self.events = 0
-        self.trace = False  # when replaying: every action and kubelet step goes into `said`
         # CDI specs (atedevd/cdi/keeper.py), in a directory of the round's own: every name a
         # daemon could have answered Allocate with resolves there after every event, and a
         # killed daemon's until the next start has written its own.
@@ -137,42 +127,6 @@ class World:
     def moves_taken(self) -> set:
         """Every (from, to) move any registration machine of any process made."""
         return {(a, b) for d in self.ever for r in d.plugins.resources.values() for a, b, _ in r.machine.moves.taken}
-
-    def note(self, who: str, text: str) -> None:
-        if self.trace:
-            self.said.append((self.now, 0, who, text))
-
-    def delay(self) -> float:
-        """One step's delay: often a few ms, often anything up to `max_delay`."""
-        r = self.rng.random()
-        return r * 0.004 if r < 0.5 else (r - 0.5) * 2 * self.max_delay
-
-    def after(self, delay: float, fn, *args) -> None:
-        self._seq += 1
-        self._pending += 1
-        heapq.heappush(self._q, (self.now + delay, self._seq, fn, args, True))
-
-    def timer_at(self, at: float, fn, *args) -> None:
-        """A process's wake-up for its own timers: the only kind of event `run_until`'s
-        `settled` lets stay queued."""
-        self._seq += 1
-        heapq.heappush(self._q, (self.now + max(0.0, at - self.now), self._seq, fn, args, False))
-
-    def run_until(self, t: float, settled: Optional[Callable[[], bool]] = None) -> None:
-        """Every event due by `t`; with `settled`, stop sooner once nothing can change any more
-        (nothing is queued but atedevd's own wake-ups, and each process's timers are only the
-        periodic ones) and `settled()` holds: from there on only the look at the nodes and
-        kubelet's count come, which find what is there, and the end state is what it is now."""
-        q = self._q
-        while q and q[0][0] <= t:
-            at, _, fn, args, pending = heapq.heappop(q)
-            self.now = at
-            self.events += 1
-            self._pending -= pending
-            fn(*args)
-            if settled is not None and not self._pending and all(d.idle() for d in self.processes) and settled():
-                return
-        self.now = max(self.now, t)
 
     def check_cdi(self) -> None:
         """CDI specs, after every event a daemon takes (nothing else writes them, grows what is
