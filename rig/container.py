@@ -525,7 +525,8 @@ def install_project(node: Container) -> None:
 
 
 def install_test_helpers(node: Container) -> None:
-    for helper in ("kubelet_standin.py", "kubelet_model.py", "node_agent.py", "apiserver_standin.py", "dra_kubelet.py"):
+    for helper in ("kubelet_standin.py", "kubelet_model.py", "node_agent.py", "apiserver_standin.py", "dra_kubelet.py",
+                   "dra_kubelet_model.py"):
         node.copy_in(RIG / helper, f"{TEST_LIB}/{helper}")
     for helper in RIG.glob("container_*.py"):
         node.copy_in(helper, f"{TEST_LIB}/{helper.name}")

@@ -15,6 +15,7 @@ from atedevd.dra.cluster import NODE_USER_PREFIX, ClusterError, KubeApi, find_ku
 from atedevd.dra.slices import DRIVER, class_name
 
 DROP_IN = "/etc/systemd/system/atedevd.service.d/dra.conf"
+STORED = 2  # the listening sockets atedevd hands systemd to keep (atedevd/dra/listeners.py)
 OK, PROBLEM, WARNING = "ok", "problem", "warning"  # (report.py's)
 
 
@@ -117,3 +118,12 @@ def _sandbox(root: str, props: Optional[Dict[str, str]], report, sandbox_state) 
     if props is not None and props.get("PrivateNetwork") == "yes":
         report.add("dra-sandbox", "network", PROBLEM, "atedevd.service has no network (PrivateNetwork=yes): it cannot "
                    "reach the API server", fix)
+    if props is not None:
+        kept = props.get("FileDescriptorStoreMax", "0")
+        if kept.isdigit() and int(kept) >= STORED:
+            report.add("dra-sandbox", "restarts", OK, f"systemd keeps kubelet's DRA sockets across a restart "
+                       f"(FileDescriptorStoreMax={kept}): prepares sent meanwhile wait for the next start")
+        else:
+            report.add("dra-sandbox", "restarts", WARNING, f"systemd keeps no socket of atedevd's across a restart "
+                       f"(FileDescriptorStoreMax={kept}): kubelet's prepares are refused while atedevd restarts, and "
+                       "their pods wait for their next sync (a minute or more)", fix)

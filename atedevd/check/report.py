@@ -511,7 +511,7 @@ def unit_properties() -> Optional[Dict[str, str]]:
         return None
     try:
         p = subprocess.run(["systemctl", "show", UNIT, "-p", "LoadState", "-p", "ProtectSystem", "-p", "ReadWritePaths",
-                            "-p", "PrivateNetwork", "-p", "RestrictAddressFamilies"],
+                            "-p", "PrivateNetwork", "-p", "RestrictAddressFamilies", "-p", "FileDescriptorStoreMax"],
                            capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None

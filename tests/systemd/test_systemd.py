@@ -563,7 +563,8 @@ def test_dra_mode_needs_the_drop_in_and_with_it_registers_publishes_and_prepares
         assert node.show("atedevd", "ExecMainStatus")["ExecMainStatus"] == "78"
         assert node.show("atedevd", "NRestarts")["NRestarts"] == "0"
         found = dra_findings(node)
-        assert {f["status"] for s, f in found.items() if s[0] == "dra-sandbox"} == {"problem"}, found
+        assert {f["status"] for s, f in found.items() if s[0] == "dra-sandbox" and s[1] != "restarts"} == {"problem"}, found
+        assert found[("dra-sandbox", "restarts")]["status"] == "warning", found
         assert "dra.conf" in found[("dra-sandbox", "network")]["fix"]
 
         dropin(node, "dra", (REPO_ROOT / "systemd/atedevd.service.d/dra.conf.example").read_text())
@@ -592,8 +593,33 @@ print(json.dumps(json.load(urllib.request.urlopen(r))["items"]))""", check=False
         found = dra_findings(node)
         assert {f["status"] for s, f in found.items() if s[0] == "dra-sandbox"} == {"ok"}, found
         assert found[("dra-slices", "node-a")]["status"] == "ok", found
+
+        # The listening sockets are in systemd's store, and a restart, or a kill -9 and Restart=always,
+        # serves the same ones: the files kubelet watches are never made anew.
+        assert node.show("atedevd", "NFileDescriptorStore")["NFileDescriptorStore"] == "2"
+        inodes = node.run("stat", "-c", "%i", "/var/lib/kubelet/plugins_registry/ate.dev-reg.sock",
+                          "/var/lib/kubelet/plugins/ate.dev/dra.sock").stdout.split()
+        for how in ("restart", "kill"):
+            cur = cursor(node)
+            pid = node.show("atedevd", "MainPID")["MainPID"]
+            if how == "restart":
+                node.systemctl("restart", "atedevd")
+            else:
+                node.run("kill", "-9", pid)
+                wait_until(lambda: node.show("atedevd", "MainPID")["MainPID"] not in ("0", pid) and
+                           node.show("atedevd", "ActiveState")["ActiveState"] == "active", 30, "Restart=always",
+                           lambda: journal_since(node, cur, "-u", "atedevd"))
+            text = wait_journal(node, cur, lambda t: "(kept from the last run)" in t, f"the sockets kept over a {how}",
+                                "-u", "atedevd", "-o", "cat")
+            assert "bound anew" not in text, text
+            assert node.run("stat", "-c", "%i", "/var/lib/kubelet/plugins_registry/ate.dev-reg.sock",
+                            "/var/lib/kubelet/plugins/ate.dev/dra.sock").stdout.split() == inodes
+            p = node.run("/usr/bin/python3", f"{TEST_LIB}/dra_kubelet.py", "prepare", "ns", "pod-kvm", "uid-1", timeout=90)
+            assert json.loads(p.stdout.strip().splitlines()[-1])["error"] == ""
         node.systemctl("stop", "atedevd")
-        assert node.run("sh", "-c", "ls /var/lib/kubelet/plugins_registry").stdout.strip() == ""
+        # A stop keeps the files (kubelet keeps the driver; a start binds them anew), systemd lets go of the sockets.
+        assert node.run("sh", "-c", "ls /var/lib/kubelet/plugins_registry").stdout.split() == ["ate.dev-reg.sock"]
+        assert node.show("atedevd", "NFileDescriptorStore")["NFileDescriptorStore"] == "0"
     finally:
         node.systemctl("stop", "atedevd", check=False)
         node.systemctl("stop", DRA_API, check=False)

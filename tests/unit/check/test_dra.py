@@ -31,6 +31,8 @@ def test_a_node_not_switched_yet_is_not_ready_and_each_reason_is_named(tmp_path)
         assert f[("dra-class", "kvm.ate.dev")].status == "problem" and "device-classes" in f[("dra-class", "kvm.ate.dev")].fix
         assert f[("dra-slices", "node-a")].status == "problem"
         assert f[("dra-sandbox", "network")].status == "problem"
+        assert f[("dra-sandbox", "restarts")].status == "warning" and "FileDescriptorStoreMax=0" in \
+            f[("dra-sandbox", "restarts")].message
         assert f[("dra-kubelet", "node-a")].status == "ok"
         assert not any(x.check in ("kubelet-socket", "plugin-dir") for x in report.findings), "device-plugin checks ran"
     finally:
