@@ -379,8 +379,13 @@ class Cluster:
             "rotateCertificates": False, "serializeImagePulls": False,
             "maxPods": 250, "registerNode": True,
         }
+        gates = {}
         if minor(self.kubelet_version) < (1, 34):  # beta and off by default before 1.33, GA in 1.36
-            cfg["featureGates"] = {"UserNamespacesSupport": True}
+            gates["UserNamespacesSupport"] = True
+        if (1, 34) <= minor(self.kubelet_version) < (1, 36):  # alpha in 1.34 and 1.35, beta and on from 1.36
+            gates.update(DRAExtendedResource=True, DRAConsumableCapacity=True)  # (DRA mode: tests/e2e/test_dra.py)
+        if gates:
+            cfg["featureGates"] = gates
         (self.root / "resolv.conf").write_text("nameserver 127.0.0.1\n")
         path = self.root / "kubelet-config.json"
         path.write_text(json.dumps(cfg, indent=1))

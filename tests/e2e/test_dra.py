@@ -5,7 +5,8 @@ atedevd, and open /dev/kvm through its CDI name; 100 pods share it, a pattern's 
 pod's; an upgrade, an atedevd restart, a kill -9 and a kubelet restart each leave the running pods
 untouched and the slice there, and pods sent during each start once the driver answers. atedevd
 runs with systemd's descriptor store (rig/harness.FdStore), as the unit with DRA mode's drop-in
-does. kubelet 1.36 and newer (extended resources through DRA: beta and on in 1.36, GA in 1.37)."""
+does. kubelet 1.34 and newer (extended resources through DRA: alpha in 1.34 and 1.35, whose gates the
+cluster turns on, tests/e2e/cluster.py; beta and on in 1.36, GA in 1.37)."""
 from __future__ import annotations
 
 import os
@@ -45,8 +46,9 @@ def serial_dir(cluster):
 def dra_node(cluster, serial_dir):
     """atedevd in DRA mode on the node, once kubelet no longer counts the resource as a device
     plugin's (the Node's allocatable 0: the scheduler then takes the DRA way), with the DeviceClasses."""
-    if minor(cluster.kubelet_version) < (1, 36):
-        pytest.skip(f"kubelet {cluster.kubelet_version}: extended resources through DRA need 1.36 (1.34 with gates)")
+    if minor(cluster.kubelet_version) < (1, 34):
+        pytest.skip(f"kubelet {cluster.kubelet_version}: no extended resources through DRA (1.34 and 1.35 with their "
+                    "gates, which the cluster turns on; 1.36 and newer)")
     wait_for("the Node to count no device-plugin ate.dev/kvm", lambda: cluster.allocatable(w.RESOURCE) == "0", 120, 0.5)
     for resource in (w.RESOURCE, SERIAL):
         try:
@@ -154,6 +156,61 @@ def test_a_pattern_unit_is_one_pod_s_and_a_pod_more_than_units_waits(dra_node, c
     assert list(present) == [got["dra-serial0"]], present  # the unit let go of, and only it
     figure(f"{UNITS} units, {UNITS + 1} pods: each running pod has its own unit's node alone, the last waits "
            "unscheduled and gets the unit let go of", "DRA mode: pattern units are exclusive", "exclusive (measured)")
+
+
+def health_of(pod: dict) -> dict:
+    """What kubelet's status says of the pod's devices (allocatedResourcesStatus): resource ID -> health."""
+    out = {}
+    for status in (pod.get("status") or {}).get("containerStatuses") or ():
+        for entry in status.get("allocatedResourcesStatus") or ():
+            for r in entry.get("resources") or ():
+                out[r.get("resourceID")] = r.get("health")
+    return out
+
+
+def test_a_unit_that_goes_while_a_pod_holds_it_is_unhealthy_in_its_status_and_tainted_in_the_slice(
+        dra_node, cluster, serial_dir, figure):
+    if minor(cluster.kubelet_version) < (1, 36):
+        pytest.skip(f"kubelet {cluster.kubelet_version}: the health stream (ResourceHealthStatus) is off before 1.36")
+    # A claim the pod names: kubelet (1.37, cm/dra/manager.go) reports device health only for a
+    # container's resources.claims, never for the claim behind an extended resource.
+    paths = [f"{serial_dir}/ttyE2E{i}" for i in range(UNITS)]
+    cluster.api.create(CLAIMS, {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                "metadata": {"name": "a-unit"}, "spec": {"devices": {"requests": [
+                                    {"name": "unit", "exactly": {"deviceClassName": dra_slices.class_name(SERIAL)}}]}}})
+    holds = w.pod("dra-holds", cluster.image, resource=None, paths=paths, hold=True)
+    holds["spec"]["resourceClaims"] = [{"name": "unit", "resourceClaimName": "a-unit"}]
+    holds["spec"]["containers"][0]["resources"] = {"claims": [{"name": "unit"}]}
+    cluster.api.create(w.PODS, holds)
+    pod = w.wait_probed(cluster.api, cluster.pod_logs, "dra-holds")
+    [(path, _)] = [(k, v) for k, v in w.opened_paths(cluster.pod_logs, pod).items() if v != "ENOENT"]
+    unit = os.path.basename(path)
+    [(cdi_id, health)] = wait_for("kubelet to say how the unit is", lambda: list(health_of(running(
+        cluster, "dra-holds")).items()) or None, 60, 0.2)
+    assert health == "Healthy" and cdi_id.startswith(f"{SERIAL}=") and cdi_id.endswith(unit), (cdi_id, health)
+    t0 = time.monotonic()
+    os.unlink(path)
+    wait_for("the unit unhealthy in the pod's status", lambda: health_of(running(cluster, "dra-holds")).get(cdi_id)
+             == "Unhealthy" or None, 60, 0.05)
+    unhealthy = time.monotonic() - t0
+    [result] = cluster.api.get(f"{CLAIMS}/a-unit")["status"]["allocation"]["devices"]["results"]
+    name = result["device"]
+
+    def tainted():
+        found = [d for s in node_slices(cluster) for d in s["spec"]["devices"] if d["name"] == name]
+        return found if found and found[0].get("taints") else None
+    [device] = wait_for("the gone unit tainted in the slice", tainted, 60, 0.05)
+    assert [t["key"] for t in device["taints"]] == [dra_slices.GONE] and device["taints"][0]["effect"] == "NoSchedule"
+    assert pod_phase(running(cluster, "dra-holds")) == "Running"  # (NoSchedule: the pod holding it is left alone)
+    cluster.api.delete(f"{w.PODS}/dra-holds", grace=0)
+    wait_for("the gone unit out of the slice once no claim holds it", lambda: name not in devices_listed(cluster) or None,
+             120, 0.1)
+    os.mknod(path, 0o660 | 0o020000, os.makedev(MAJOR, int(unit[len("ttyE2E"):])))
+    wait_for("the unit back in the slice", lambda: name in devices_listed(cluster) or None, 60, 0.05)
+    figure(f"a held unit's node removed (Healthy before): Unhealthy in the pod's allocatedResourcesStatus {unhealthy * 1000:.0f} ms later "
+           f"(health stream), tainted {dra_slices.GONE}:NoSchedule in the slice; gone from it once the pod went; back "
+           "when made again",
+           "DRA mode: a held device that goes", "Unhealthy in the pod's status, tainted in the slice (measured)")
 
 
 @pytest.mark.parametrize("event", ["atedevd upgrade", "atedevd SIGTERM", "atedevd kill -9", "kubelet restart"])
