@@ -2,21 +2,25 @@
 kubelet's side times it, for a new claim (read from the API server, checked, checkpointed) and for
 one already prepared (answered from the book), NodeUnprepareResources, and the time from kubelet's
 wipe of the node's slices to their republication; beside them the device-plugin mode's Allocate
-on the same machine. The kubelet's DRA side (rig/dra_kubelet.py) and the API server stand-in
+on the same machine, and how long a prepare sent while atedevd restarts (SIGTERM, kill -9) waits
+for the next run, which systemd's store hands the sockets (nothing fails). The kubelet's DRA side
+(rig/dra_kubelet.py) and the API server stand-in
 (rig/apiserver_standin.py) run in this process: their share of a figure is ours to subtract,
 and a real API server's GET is slower (on a real 1.37 node the upstream helper's prepares took
 4-17 ms, most of it its GET: docs/dra.md)."""
 
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from typing import List, Tuple
 
 from bench.rig import Rig, load, percentile
 from rig.apiserver_standin import ApiServerStandIn
 from rig.dra_kubelet import DraKubelet
-from rig.harness import DaemonUnderTest, fake_dev_root, wait_until, write_file
+from rig.harness import DaemonUnderTest, FdStore, fake_dev_root, wait_until, write_file
 
 Row = Tuple[str, str, str, str, str]
 HELD = 100  # claims prepared at once (the issue's 100 pods sharing /dev/kvm): the checkpoint's size
@@ -74,6 +78,13 @@ def run(quick: bool) -> List[Row]:
         rows.append(("dra", f"slice wiped -> published again, p50/max over {wipes}",
                      f"{percentile(backs, 50) * 1000:.1f}/{max(backs) * 1000:.1f} ms", "<= 1 s",
                      "PASS" if max(backs) <= 1.0 else "MISS"))
+        d.stop()
+        d = None
+        for how in (signal.SIGTERM, signal.SIGKILL):
+            took = _restarts(root, dev, cfg, api, kubelet, 3 if quick else 10, how)
+            rows.append(("dra", f"a prepare sent as atedevd is {'stopped' if how == signal.SIGTERM else 'killed'} and "
+                         f"started again (systemd's store), answered after: p50/max over {len(took)}",
+                         f"{percentile(took, 50) * 1000:.0f}/{max(took) * 1000:.0f} ms", "no call fails", "PASS"))
     finally:
         if d is not None:
             d.stop()
@@ -85,3 +96,34 @@ def run(quick: bool) -> List[Row]:
         seq = load(rig.socket, 1, 1, count=n)
         rows.append(("dra", f"beside it: device-plugin Allocate, p50/p99 over {n} (client process)", _ms(seq["lat"]), "", ""))
     return rows
+
+
+def _restarts(root: str, dev: str, cfg: str, api, kubelet, rounds: int, how: int) -> List[float]:
+    """Each round: atedevd stopped (`how`), a prepare sent while none runs, a new atedevd started at
+    once with what systemd's store kept (rig/harness.FdStore): the time from the prepare's sending
+    to its answer (the new start's share: its imports, its first look, its sockets)."""
+    store = FdStore()
+    took: List[float] = []
+    d = DaemonUnderTest(os.path.join(root, "run-r"), os.path.join(root, "kubelet", "device-plugins"), dev, config=cfg,
+                        fd_store=store)
+    try:
+        d.wait_ready(30)
+        for i in range(rounds):
+            api.add_claim("ns", f"r{how}-{i}", f"uid-r{how}-{i}", [{"request": "kvm", "driver": "ate.dev",
+                                                                    "pool": "node-a", "device": "kvm"}])
+            d.stop(how)
+            answer: dict = {}
+            sent = time.perf_counter()
+            t = threading.Thread(target=lambda: answer.update(kubelet.prepare([("ns", f"r{how}-{i}", f"uid-r{how}-{i}")])))
+            t.start()
+            d = DaemonUnderTest(os.path.join(root, f"run-r{i}"), os.path.join(root, "kubelet", "device-plugins"), dev,
+                                config=cfg, fd_store=store)
+            t.join(60)
+            took.append(time.perf_counter() - sent)
+            if answer.get(f"uid-r{how}-{i}") is None or answer[f"uid-r{how}-{i}"].error:
+                raise RuntimeError(f"a prepare across a restart failed: {answer}")
+            d.wait_ready(30)
+    finally:
+        d.stop()
+        store.close()
+    return took

@@ -85,6 +85,11 @@ class Book:
         self.claims[ref.uid] = (ref, tuple(devices))
         return self.document()
 
+    def carry(self, generation: int) -> dict:
+        """The pool's generation about to be written: kept with the claims; what the checkpoint is to hold."""
+        self.generation = generation
+        return self.document()
+
     def restore(self, uid: str, held: Tuple[ClaimRef, Tuple[Prepared, ...]]) -> None:
         """A claim taken out whose checkpoint could not be written: held again, as it was."""
         self.claims[uid] = held

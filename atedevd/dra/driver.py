@@ -225,8 +225,7 @@ class Driver:
         for a in self.publisher.handle(now, event):
             if isinstance(a, pub.WriteSlices) and self.book.generation != self.publisher.generation:
                 # The generation on disk first: a run after a crash and a wipe by kubelet carries on above it.
-                self.book.generation = self.publisher.generation
-                self._out.append(prep.WriteCheckpoint(0, self.book.document()))
+                self._out.append(prep.WriteCheckpoint(0, self.book.carry(self.publisher.generation)))
             self._out.append(a)
         if self.publisher.connected and not was:
             assert self.publisher.node is not None

@@ -182,9 +182,8 @@ def handed_to_us(environ: MutableMapping[str, str]) -> Tuple[Dict[str, int], str
         return {}, f"LISTEN_FDS is for pid {pid}, not ours"
     if not count.isdigit():
         return {}, f"LISTEN_FDS={count!r}"
-    out = {}
+    found: Dict[str, int] = {}
     for i in range(int(count)):
-        fd = LISTEN_FDS_START + i
-        os.set_inheritable(fd, False)
-        out[names[i] if i < len(names) and names[i] else f"unknown{i}"] = fd
-    return out, ""
+        os.set_inheritable(LISTEN_FDS_START + i, False)
+        found[names[i] if i < len(names) and names[i] else f"unknown{i}"] = LISTEN_FDS_START + i
+    return found, ""

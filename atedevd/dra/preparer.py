@@ -213,9 +213,9 @@ class Preparer:
             self._finish(c)
             return
         for r in c.refs:
-            held = self.book.answer(r.uid)
-            if held is not None:
-                c.outcomes[r.uid] = ClaimOutcome(held)
+            answered = self.book.answer(r.uid)
+            if answered is not None:
+                c.outcomes[r.uid] = ClaimOutcome(answered)
 
     def _read(self, c: _PendingCall, now: float) -> None:
         """Read what is still to be read, once the API server is there (or say it is not, in time)."""

@@ -108,7 +108,7 @@ def test_an_upgrade(start_atedevd, cluster, figure, endpoints):
     check_pods(rounds)
     if endpoints == "auto":
         beside = "beside us (kubelet tracks endpoints per socket" in a.log()
-        assert f"; kubelet {cluster.kubelet_version}, the program of PID " in a.log(), a.log()
+        assert f"kubelet {cluster.kubelet_version}, the program of PID " in a.log(), a.log()  # (after "(" or "; ")
         assert beside == per_socket(cluster), (beside, a.log())
     if endpoints in ("auto", "per-socket") and per_socket(cluster):
         assert all(not r.windows for r in rounds), [r.windows for r in rounds]

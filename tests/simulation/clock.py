@@ -6,7 +6,7 @@ import random
 from typing import Callable, List, Optional
 
 
-class Clock:
+class SimClock:
     def __init__(self, seed: int, max_delay: float = 1.0) -> None:
         self.rng = random.Random(seed)
         self.seed = seed

@@ -40,7 +40,7 @@ from atedevd.glue.resource_events import TimerDue
 from atedevd.registration.messages import Say
 from atedevd.upgrade.machines import BecomeMain, Exit, MainPid, Send, StopSuccessor
 from rig.dra_kubelet_model import PREFACE_WAIT_S, RESYNC_S, Info, PluginManager
-from tests.simulation.clock import Clock
+from tests.simulation.clock import SimClock
 from tests.simulation.world import cdi_dir, dev_root
 
 NODE = "node-a"
@@ -54,7 +54,7 @@ VERSIONS = ("1.34", "1.36", "1.37")
 
 # --- the API server ---------------------------------------------------------------------------------
 
-class Api:
+class ApiServer:
     """The slices, the claims and the watch, as the API server keeps them; every call a step."""
 
     def __init__(self, w: "DraWorld") -> None:
@@ -212,7 +212,7 @@ class Pod:
         self.deleted = False
 
 
-class Kubelet:
+class SimKubelet:
     """kubelet's DRA side: the model's plugin manager, the connection, the calls, the pods."""
 
     def __init__(self, w: "DraWorld", version: str) -> None:
@@ -719,15 +719,15 @@ _DO: Dict[type, Callable] = {
 
 # --- the world -------------------------------------------------------------------------------------
 
-class DraWorld(Clock):
+class DraWorld(SimClock):
     def __init__(self, seed: int, version: str = "1.37", max_delay: float = 1.0, store: bool = True) -> None:
         super().__init__(seed, max_delay)
         self.store = store  # the unit keeps the listening sockets in systemd's store (DRA mode's drop-in)
         self.dev_root = dev_root()
         self.cdi_dir = cdi_dir()
-        self.api = Api(self)
+        self.api = ApiServer(self)
         self.sockets = Sockets(self)
-        self.kubelet = Kubelet(self, version)
+        self.kubelet = SimKubelet(self, version)
         self.processes: List[SimDra] = []
         self.ever: List[SimDra] = []
         self.main: Optional[SimDra] = None

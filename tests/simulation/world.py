@@ -32,7 +32,7 @@ from atedevd.glue.process import (Process, ReadConfig, Ready, Reloading, Serving
 from atedevd.kubelet.identity import KubeletFound
 from atedevd.registration.messages import Say, State
 from atedevd.upgrade.machines import BecomeMain, Exit, MainPid, Message, Send, StopSuccessor, UpgradePhase
-from tests.simulation.clock import Clock
+from tests.simulation.clock import SimClock
 from tests.simulation.host import KUBELET_SOCK, PLUGIN_DIR, SimHost, SimServer
 from tests.simulation.kubelet import KubeletModel
 from tests.simulation.udev import Udev
@@ -91,7 +91,7 @@ _MASKS = {"create": ic.IN_CREATE, "delete": ic.IN_DELETE, "moved_to": ic.IN_MOVE
           "gone": ic.IN_DELETE_SELF, "made": ic.IN_CREATE | ic.IN_ISDIR}
 
 
-class World(Clock):
+class World(SimClock):
     def __init__(self, seed: int, mode: str, max_delay: float = 1.0, pod_resources: bool = True, count: int = 1024,
                  connections_visible: bool = True, agent_rps: float = 80.0, udev: bool = False, cdi: bool = True):
         super().__init__(seed, max_delay)

@@ -89,7 +89,7 @@ def listening(path: str) -> socket.socket:
     return s
 
 
-class Rig:
+class RelayRig:
     """A relay from a listening socket (as Listeners hands it: non-blocking) to a fake server
     the test plays, each connection's two ends in the test's hands."""
 
@@ -144,7 +144,7 @@ def sock_dir():
 
 @pytest.fixture
 def rig(sock_dir):
-    r = Rig(sock_dir)
+    r = RelayRig(sock_dir)
     r.relay.start()
     yield r
     r.close()
@@ -256,7 +256,7 @@ def test_a_connection_the_relay_accepts_as_drain_is_called_is_let_go_of_before_d
     """drain() only tells the relay's thread: a client that dials before the thread wakes up is
     accepted (here made certain: the thread is held before its select() while drain() is called
     and the client dials). That connection is drained like the others: `drained` waits for it."""
-    rig = Rig(sock_dir)
+    rig = RelayRig(sock_dir)
     real_select = rig.relay._sel.select
     hold, held, release = threading.Event(), threading.Event(), threading.Event()
 
