@@ -4,8 +4,8 @@ one already prepared (answered from the book), NodeUnprepareResources, and the t
 wipe of the node's slices to their republication; beside them the device-plugin mode's Allocate
 on the same machine, and how long a prepare sent while atedevd restarts (SIGTERM, kill -9) waits
 for the next run, which systemd's store hands the sockets (nothing fails). The kubelet's DRA side
-(rig/dra_kubelet.py) and the API server stand-in
-(rig/apiserver_standin.py) run in this process: their share of a figure is ours to subtract,
+(rig/dra_kubelet.py) and the API server stand-in (rig/apiserver_standin.py) run in this
+process: their share of a figure is ours to subtract,
 and a real API server's GET is slower (on a real 1.37 node the upstream helper's prepares took
 4-17 ms, most of it its GET: docs/dra.md)."""
 
@@ -104,10 +104,12 @@ def _restarts(root: str, dev: str, cfg: str, api, kubelet, rounds: int, how: int
     to its answer (the new start's share: its imports, its first look, its sockets)."""
     store = FdStore()
     took: List[float] = []
+    begun = time.monotonic()
     d = DaemonUnderTest(os.path.join(root, "run-r"), os.path.join(root, "kubelet", "device-plugins"), dev, config=cfg,
                         fd_store=store)
     try:
         d.wait_ready(30)
+        kubelet.wait_registered(30, after=begun)  # (its sockets are bound anew: a first run with the store)
         for i in range(rounds):
             api.add_claim("ns", f"r{how}-{i}", f"uid-r{how}-{i}", [{"request": "kvm", "driver": "ate.dev",
                                                                     "pool": "node-a", "device": "kvm"}])
