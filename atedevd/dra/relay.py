@@ -22,7 +22,7 @@ import selectors
 import socket
 import struct
 import threading
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 CHUNK = 1 << 16
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -54,6 +54,22 @@ class _Frames:
         self.held: Optional[bytearray] = None  # a PING answer being read whole
         self.ends = 0  # the stream the current frame ends, once its payload has passed (0: none)
         self.frames = 0  # whole frames passed
+
+    def payload(self, data: bytes, i: int, out: bytearray) -> int:
+        """Pass on what `data` has of the current frame's payload, from `i`: where it ends."""
+        take = min(self.left, len(data) - i)
+        out += data[i:i + take]
+        self.left -= take
+        return i + take
+
+    def header(self, data: bytes, i: int) -> Tuple[int, Optional[Tuple[int, int, int, int]]]:
+        """Read a frame header from `i`: where it ends, and (length, type, flags, stream) once whole."""
+        take = min(9 - len(self.head), len(data) - i)
+        self.head += data[i:i + take]
+        if len(self.head) < 9:
+            return i + take, None
+        hi, lo, kind, flags, stream = _HEADER.unpack(self.head)
+        return i + take, ((hi << 8) | lo, kind, flags, stream & LAST_STREAM)
 
     @property
     def between(self) -> bool:
@@ -243,18 +259,12 @@ class Relay:
                         out += f.held
                     f.held = None
             elif f.left:
-                take = min(f.left, n - i)
-                out += data[i:i + take]
-                f.left -= take
-                i += take
+                i = f.payload(data, i, out)
             else:
-                take = min(9 - len(f.head), n - i)
-                f.head += data[i:i + take]
-                i += take
-                if len(f.head) < 9:
+                i, whole = f.header(data, i)
+                if whole is None:
                     continue
-                hi, lo, kind, flags, stream = _HEADER.unpack(f.head)
-                length, stream = (hi << 8) | lo, stream & LAST_STREAM
+                length, kind, flags, stream = whole
                 if kind == PING and flags & ACK and length == 8:
                     f.held, f.head = bytearray(f.head), b""
                     continue
@@ -272,18 +282,12 @@ class Relay:
         f, out, i, n = c.down, bytearray(), 0, len(data)
         while i < n:
             if f.left:
-                take = min(f.left, n - i)
-                out += data[i:i + take]
-                f.left -= take
-                i += take
+                i = f.payload(data, i, out)
             else:
-                take = min(9 - len(f.head), n - i)
-                f.head += data[i:i + take]
-                i += take
-                if len(f.head) < 9:
+                i, whole = f.header(data, i)
+                if whole is None:
                     continue
-                hi, lo, kind, flags, stream = _HEADER.unpack(f.head)
-                length, stream = (hi << 8) | lo, stream & LAST_STREAM
+                length, kind, flags, stream = whole
                 ends = (kind in (DATA, HEADERS) and flags & END_STREAM) or kind == RST_STREAM
                 out += f.head
                 f.head, f.left, f.ends = b"", length, stream if ends else 0
