@@ -212,7 +212,16 @@ class DraKubelet:
             return
         channel = grpc.insecure_channel("unix:" + path)
         try:
-            grpc.channel_ready_future(channel).result(timeout=10)
+            ready = grpc.channel_ready_future(channel)
+            for _ in range(100):  # kubelet's dial: 10 s (a close of the stand-in cuts it short)
+                try:
+                    ready.result(timeout=0.1)
+                    break
+                except grpc.FutureTimeoutError:
+                    if self._stop.is_set():
+                        raise
+            else:
+                raise grpc.FutureTimeoutError()
             reg = service.stub(service.PLUGIN_REGISTRATION, channel)
             info = reg.GetInfo(regpb.InfoRequest(), timeout=1)
             with self._lock:
