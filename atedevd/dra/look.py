@@ -69,7 +69,8 @@ class Look:
                     continue
                 seen[name] = d.resource
                 out.append(DraDevice(name, d.resource, nodes[0].path, key is None, tuple(ids),
-                                     tuple(snap.numa(key)) if key is not None else ()))
+                                     tuple(snap.numa(key)) if key is not None else (),
+                                     capacity=d.count if key is None else 0))
         return out
 
     def wake(self, now: float) -> None:

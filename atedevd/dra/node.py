@@ -79,7 +79,6 @@ class DraNode:
         self.watcher: Optional[Watcher] = None
         self.server: Optional[plugin.DraServer] = None
         self.relay: Optional[Relay] = None
-        self.stored = False  # the listening sockets are in systemd's store
         self._cluster: Optional[KubeApi] = None
         self._slices_lane = ThreadPoolExecutor(1, thread_name_prefix="dra-slices")
         self._claims_lane = ThreadPoolExecutor(4, thread_name_prefix="dra-claims")
@@ -104,7 +103,7 @@ class DraNode:
         bound = self.listeners.bind()
         run = sockets.new_run_id()
         self.server = plugin.DraServer(plugin.inner_path(self.root, run), self.listeners.paths[listeners.SERVICE],
-                                    self.calls, lambda ok, error: self.post(d.RegistrationSaid(ok, error)))
+                                       self.calls, lambda ok, error: self.post(d.RegistrationSaid(ok, error)))
         self.server.start()
         self.relay = Relay(self.listeners.sockets, self.server.path)
         self.relay.start()
@@ -117,22 +116,20 @@ class DraNode:
             self._store()
 
     def _store(self) -> None:
-        """Our listening sockets with systemd, for the next start (those it kept already stay)."""
-        self.stored = self.notifier.store_fds(self.listeners.names()) or self.stored
+        """Our listening sockets with systemd, for the next start (what it keeps under the same
+        names is replaced; with no systemd, or a unit that keeps none, nothing happens)."""
+        self.notifier.store_fds(self.listeners.names())
 
     def _serve_again(self, gone: str) -> None:
-        """Someone removed or replaced a socket file of ours: new ones, stored instead."""
+        """Someone removed or replaced a socket file of ours: new ones, bound and stored instead
+        (kubelet registers the driver again, as for any new registration socket)."""
         say(WARNING, "dra-socket", f"{gone} was removed or replaced by someone else; serving on new sockets")
+        assert self.relay is not None and self.server is not None
         old = list(self.listeners.names())
-        self.relay.stop()  # type: ignore[union-attr]
+        self.relay.stop()
         self.listeners.close(remove=True)
         self.notifier.drop_fds(old)
-        self.handed = {}
-        self._serve_sockets_only()
-
-    def _serve_sockets_only(self) -> None:
         self.listeners.bind()
-        assert self.server is not None
         self.relay = Relay(self.listeners.sockets, self.server.path)
         self.relay.start()
         if self.parent is None:
@@ -196,7 +193,8 @@ class DraNode:
     def _looked(self, first: bool = False) -> None:
         assert self.look is not None and self.watcher is not None
         devices = self.look.look(first)
-        self.watcher.want(self.look.directories())
+        # (the sockets' directories too: a file of ours removed is seen at once)
+        self.watcher.want(self.look.directories() + sorted({os.path.dirname(p) for p in self.listeners.paths.values()}))
         if devices is not None:
             self.handle(d.Looked(devices))
 

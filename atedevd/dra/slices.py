@@ -3,8 +3,9 @@ DeviceClasses that name them. No I/O.
 
 The devices are the ones the device-plugin mode judges (atedevd/devices: one table per
 `[[device]]`, the same policy, invariants and trust rules): a shareable resource (`/dev/kvm`) is
-one device that any number of claims may share (`allowMultipleAllocations`, consumable capacity:
-on by default since kubelet 1.36), each unit of a pattern a device of its own. A device is
+one device that claims share (`allowMultipleAllocations`, consumable capacity: on by default
+since 1.36), at most its `count` of them at once (a capacity each claim takes one of), each unit
+of a pattern a device of its own. A device is
 listed while it is healthy, with the CDI names a prepared claim is answered with, which the
 resource's CDI spec (atedevd/cdi) has on disk before the device is listed.
 """
@@ -20,6 +21,7 @@ MAX_DEVICES_PER_SLICE = 128  # the API server's limit
 MAX_TAINTED_PER_SLICE = 64  # ... where a device of the slice has taints
 GONE = "ate.dev/node-gone"  # the taint of a device whose node went while a claim holds it
 NUMA_ATTRIBUTE = "resource.kubernetes.io/numaNode"
+CLAIMS = "claims"  # a shared device's capacity: how many claims may share it
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 
@@ -33,6 +35,7 @@ class DraDevice(Record):
     cdi_ids: Tuple[str, ...]  # qualified CDI names, on disk
     numa: Tuple[int, ...] = ()
     taint: str = ""  # a taint's key (GONE): listed, but the scheduler allocates it no more
+    capacity: int = 0  # (shared) how many claims may share it at once: its `count`; 0: any number
 
 
 def device_name(resource: str, unit: Optional[str]) -> str:
@@ -61,6 +64,8 @@ def _device_entry(d: DraDevice) -> dict:
     entry: dict = {"name": d.name, "attributes": attributes}
     if d.shared:
         entry["allowMultipleAllocations"] = True
+    if d.shared and d.capacity:  # each claim takes one of `capacity` (consumable capacity, KEP-5075)
+        entry["capacity"] = {CLAIMS: {"value": str(d.capacity), "requestPolicy": {"default": "1", "validValues": ["1"]}}}
     if d.taint:
         entry["taints"] = [{"key": d.taint, "effect": "NoSchedule"}]
     return entry

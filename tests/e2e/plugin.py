@@ -111,7 +111,9 @@ class Atedevd:
         os.kill(self.main_pid, signal.SIGHUP)
         assert notify.wait_for("RELOADING", "1", timeout=10, after=n), self.log()
         assert notify.wait_for("READY", "1", timeout=10, after=n), self.log()
-
+        handed = notify.wait_for("MAINPID", timeout=0, after=n)  # (DRA mode: a successor applies it)
+        if handed is not None:
+            self.successor = int(handed["fields"]["MAINPID"])
     def wait_startup_done(self, times: int = 1) -> None:
         """The start's deferred work done `times` times in this log (a DEBUG line): the installed
         files are noted, which a reload compares to tell an upgrade."""

@@ -10,6 +10,7 @@ cluster turns on, tests/e2e/cluster.py; beta and on in 1.36, GA in 1.37)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import time
@@ -158,6 +159,28 @@ def test_a_pattern_unit_is_one_pod_s_and_a_pod_more_than_units_waits(dra_node, c
            "unscheduled and gets the unit let go of", "DRA mode: pattern units are exclusive", "exclusive (measured)")
 
 
+def test_a_shared_device_s_count_bounds_the_claims_that_share_it(dra_node, cluster, figure):
+    """`count = 2`, applied by a reload: the slice gives kvm a capacity of 2 claims, each pod's claim
+    takes one, and a third pod waits unscheduled until one goes."""
+    dra_node.reload(f'[[device]]\nresource = "{w.RESOURCE}"\npath = "/dev/kvm"\ncount = 2\n', cdi=True)
+
+    def capacity():
+        kvm = [d for s in node_slices(cluster) for d in s["spec"]["devices"] if d["name"] == "kvm"]
+        return kvm[0]["capacity"]["claims"]["value"] if kvm and kvm[0].get("capacity") else None
+    assert wait_for("the slice to give kvm a capacity of 2", lambda: capacity() == "2" or None, 60, 0.1)
+    for i in range(3):
+        cluster.api.create(w.PODS, w.pod(f"dra-count{i}", cluster.image, hold=True))
+    for i in range(2):
+        assert w.seen(cluster.pod_logs, w.wait_probed(cluster.api, cluster.pod_logs, f"dra-count{i}"))["open"] == "ok"
+    time.sleep(3)  # (the scheduler has had its chances: it retries an unschedulable pod on every slice or claim change)
+    third = running(cluster, "dra-count2")
+    assert pod_phase(third) == "Pending" and not third["spec"].get("nodeName"), third.get("status")
+    cluster.api.delete(f"{w.PODS}/dra-count0", grace=0)
+    assert w.seen(cluster.pod_logs, w.wait_probed(cluster.api, cluster.pod_logs, "dra-count2", timeout=180))["open"] == "ok"
+    figure("count = 2: the slice's capacity 2 claims; 2 pods run, the third waits unscheduled and runs once one goes",
+           "DRA mode: a shared device's count bounds its claims", "bounded (measured)")
+
+
 def health_of(pod: dict) -> dict:
     """What kubelet's status says of the pod's devices (allocatedResourcesStatus): resource ID -> health."""
     out = {}
@@ -255,6 +278,8 @@ def test_running_pods_are_untouched_and_pods_sent_during_start_once_the_driver_a
         assert not rejected(p) and w.seen(cluster.pod_logs, p)["open"] == "ok", (name, p.get("status"))
     if event != "kubelet restart":
         assert registrations(dra_node) == before, "kubelet registered the driver anew: it saw it go"
+        known = re.findall(r"(\d+) prepared claim\(s\) known", dra_node.log())
+        assert known and int(known[-1]) >= 1, "the new process did not know the running pod's claim"
         assert devices_listed(cluster) and node_slices(cluster)[0]["spec"]["pool"]["generation"] == generation, \
             "the slices changed: kubelet wiped them, or a run published anew"
     slowest = max(took.values())

@@ -85,7 +85,9 @@ def test_registers_publishes_the_node_slice_and_prepares_a_claim_from_its_alloca
         assert (spec["driver"], spec["nodeName"], spec["pool"]["name"]) == ("ate.dev", NODE, NODE)
         assert spec["pool"]["resourceSliceCount"] == 1 and isinstance(spec["pool"]["generation"], int)
         assert spec["devices"] == [{"name": "kvm", "allowMultipleAllocations": True,
-                                    "attributes": {"resource": {"string": "ate.dev/kvm"}, "path": {"string": "/dev/kvm"}}}]
+                                    "attributes": {"resource": {"string": "ate.dev/kvm"}, "path": {"string": "/dev/kvm"}},
+                                    "capacity": {"claims": {"value": "1024", "requestPolicy": {"default": "1",
+                                                                                             "validValues": ["1"]}}}}]
         assert slices[0]["metadata"]["ownerReferences"][0]["uid"] == api.node_uid
 
         api.add_claim("ns", "pod-a-kvm", "uid-a", [{"request": "kvm", "driver": "ate.dev", "pool": NODE, "device": "kvm",
@@ -241,6 +243,28 @@ def test_a_restart_with_systemd_s_store_keeps_the_driver_registered_and_a_call_m
         assert node.instances == [old] and node.model.refused == [], "kubelet saw the driver go"
         assert {k: os.lstat(p).st_ino for k, p in listeners.paths(str(tmp_path / "kubelet")).items()} == inodes
         assert "kept from the last run" in d.log()
+    finally:
+        d.close()
+        store.close()
+
+
+def test_a_socket_someone_removed_is_bound_anew_stored_instead_and_kubelet_registers_the_driver_again(
+        tmp_path, api, node):
+    store = FdStore()
+    d = start(tmp_path, api, fd_store=store)
+    try:
+        d.wait_ready()
+        old = node.wait_registered()
+        first = store.names()
+        removed = time.monotonic()
+        os.unlink(listeners.paths(str(tmp_path / "kubelet"))[listeners.REGISTRATION])
+        new = node.wait_registered(after=removed)
+        assert new is not old
+        assert wait_until(lambda: store.names() != first and len(store.names()) == 2, 10), store.names()
+        assert not set(first) & set(store.names()), "systemd still keeps the sockets that were replaced"
+        api.add_claim("ns", "c", "uid-c", [{"request": "kvm", "driver": "ate.dev", "pool": NODE, "device": "kvm"}])
+        assert node.prepare([("ns", "c", "uid-c")])["uid-c"].error == ""
+        assert "was removed or replaced by someone else; serving on new sockets" in d.log()
     finally:
         d.close()
         store.close()

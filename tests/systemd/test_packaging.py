@@ -104,7 +104,8 @@ def test_deb_installs_binary_unit_config_python_package_and_man_pages(deb):
     paths = deb_paths(path)
     for f in ("/usr/bin/atedevd", "/etc/atedevd/config.toml", "/usr/share/man/man8/atedevd.8.gz",
               "/usr/share/man/man5/atedevd.toml.5.gz", "/usr/share/doc/atedevd/README.md",
-              "/usr/share/doc/atedevd/copyright", "/usr/share/doc/atedevd/dra.conf.example"):
+              "/usr/share/doc/atedevd/copyright", "/usr/share/doc/atedevd/dra.conf.example",
+              "/usr/share/doc/atedevd/deviceclasses.json"):
         assert f in paths, f
     assert {"/lib/systemd/system/atedevd.service", "/usr/lib/systemd/system/atedevd.service"} & paths
     site = "/usr/lib/python3/dist-packages/"
@@ -256,7 +257,7 @@ def test_rpm_installs_the_same_files_in_its_private_directory(rpm, deb):
     for f in ("/usr/bin/atedevd", "/usr/lib/systemd/system/atedevd.service", "/etc/atedevd/config.toml",
               "/usr/share/man/man8/atedevd.8.gz", "/usr/share/man/man5/atedevd.toml.5.gz",
               "/usr/share/doc/atedevd/README.md", "/usr/share/doc/atedevd/dra.conf.example",
-              "/usr/share/licenses/atedevd/LICENSE",
+              "/usr/share/doc/atedevd/deviceclasses.json", "/usr/share/licenses/atedevd/LICENSE",
               "/usr/share/licenses/atedevd/inotify-LICENSE", "/usr/share/licenses/atedevd/sdnotify-LICENSE.txt",
               "/usr/lib/atedevd/site-packages/inotify/calls.py", "/usr/lib/atedevd/site-packages/sdnotify/__init__.py"):
         assert f in paths, f

@@ -2,6 +2,7 @@
 and must mean exactly what argparse would make of it; everything else is argparse's."""
 
 import itertools
+import os
 import random
 import subprocess
 import sys
@@ -82,6 +83,16 @@ def test_help_and_bad_usage_are_still_argparse(capsys):
         cli.main(["run", "--help"])
     assert e.value.code == 0
     assert "--metrics-dir" in capsys.readouterr().out
+
+
+def test_the_shipped_device_class_is_the_default_configuration_s(tmp_path, capsys):
+    """kubernetes/deviceclasses.json, in every package's docs: what `atedevd device-classes` prints
+    for the default configuration (regenerate it with that command when the class changes)."""
+    cfg = tmp_path / "empty.toml"
+    cfg.write_text("")
+    assert cli.main(["device-classes", "--config", str(cfg)]) == 0
+    with open(os.path.join(REPO, "kubernetes", "deviceclasses.json")) as f:
+        assert f.read() == capsys.readouterr().out
 
 
 def test_device_classes_prints_one_class_per_configured_resource(tmp_path, capsys):

@@ -54,3 +54,13 @@ def test_the_device_class_maps_the_extended_resource_name_to_the_driver_s_device
     assert c["spec"]["selectors"] == [{"cel": {"expression":
                                                'device.driver == "ate.dev" && device.attributes["ate.dev"].resource == "ate.dev/kvm"'}}]
     assert sl.class_name("example.com/tun") == "tun.example.com"
+
+
+def test_a_shared_device_with_a_count_takes_one_of_it_per_claim():
+    """Consumable capacity (KEP-5075): the device's `count` bounds how many claims share it."""
+    d = sl.DraDevice("kvm", "ate.dev/kvm", "/dev/kvm", True, ("ate.dev/kvm=kvm",), capacity=2)
+    [doc] = sl.slices("n", None, [d], 1)
+    assert doc["spec"]["devices"][0]["capacity"] == {"claims": {"value": "2", "requestPolicy": {
+        "default": "1", "validValues": ["1"]}}}
+    unit = sl.DraDevice("u-0", "ate.dev/u", "/dev/u0", False, ("ate.dev/u=0",), capacity=2)
+    assert "capacity" not in sl.slices("n", None, [unit], 1)[0]["spec"]["devices"][0]  # (one claim's at a time anyway)
