@@ -86,12 +86,12 @@ def test_help_and_bad_usage_are_still_argparse(capsys):
 
 
 def test_the_shipped_device_class_is_the_default_configuration_s(tmp_path, capsys):
-    """kubernetes/deviceclasses.json, in every package's docs: what `atedevd device-classes` prints
+    """manifests/deviceclasses.json, in every package's docs: what `atedevd device-classes` prints
     for the default configuration (regenerate it with that command when the class changes)."""
     cfg = tmp_path / "empty.toml"
     cfg.write_text("")
     assert cli.main(["device-classes", "--config", str(cfg)]) == 0
-    with open(os.path.join(REPO, "kubernetes", "deviceclasses.json")) as f:
+    with open(os.path.join(REPO, "manifests", "deviceclasses.json")) as f:
         assert f.read() == capsys.readouterr().out
 
 
