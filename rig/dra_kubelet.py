@@ -102,7 +102,7 @@ class DraKubelet:
         self.clients: Dict[str, _Client] = {}  # by registration socket
         self.order: List[_Client] = []
         self.wipes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a client made under it subscribes to its channel)
         self._stop = threading.Event()
         self._watcher = Watcher()
         self._watcher.want([self.registry])
@@ -224,9 +224,12 @@ class DraKubelet:
                 raise grpc.FutureTimeoutError()
             reg = service.stub(service.PLUGIN_REGISTRATION, channel)
             info = reg.GetInfo(regpb.InfoRequest(), timeout=1)
-            with self._lock:
+            with self._lock:  # (the client made with the registration, before kubelet says so: its add())
                 instance, why = self.model.register(time.monotonic(), path, Info(
                     info.type, info.name, info.endpoint or path, tuple(info.supported_versions)))
+                if instance is not None:
+                    self.clients[path] = c = _Client(self, instance)
+                    self.order.append(c)
             reg.NotifyRegistrationStatus(regpb.RegistrationStatus(plugin_registered=not why, error=why), timeout=5)
         except (grpc.RpcError, grpc.FutureTimeoutError) as e:
             with self._lock:
@@ -234,11 +237,6 @@ class DraKubelet:
             return
         finally:
             channel.close()
-        if instance is not None:
-            c = _Client(self, instance)
-            with self._lock:
-                self.clients[path] = c
-                self.order.append(c)
 
 
 def main(argv=None) -> int:
