@@ -11,10 +11,12 @@ instead of failing: a failed prepare is tried again only at kubelet's next pod s
 or more later. Under systemd the listening sockets are kept in the unit's file descriptor
 store (`FileDescriptorStoreMax=` in the DRA drop-in; `FDSTORE=1`) and handed to the next
 start (`LISTEN_FDS`); a reload's successor is handed them directly. Their names carry the
-inode of the file bound, so that a file someone replaced since is not taken for ours.
+identity of the file bound (its inode and change time), so that a file someone replaced since is
+not taken for ours.
 """
 
 import os
+import re
 import socket
 import stat
 from typing import Dict, List, Mapping, MutableMapping, Optional, Tuple
@@ -43,12 +45,14 @@ def paths(root: str) -> Dict[str, str]:
             SERVICE: os.path.join(plugin_dir(root), "dra.sock")}
 
 
-def _inode(path: str) -> Optional[int]:
+def identity(path: str) -> Optional[str]:
+    """Which socket file is at `path` ("<inode>-<ctime ns>"; an inode alone is soon reused once
+    a file goes), or None where there is no socket."""
     try:
         st = os.lstat(path)
     except OSError:
         return None
-    return st.st_ino if stat.S_ISSOCK(st.st_mode) else None
+    return f"{st.st_ino}-{st.st_ctime_ns}" if stat.S_ISSOCK(st.st_mode) else None
 
 
 class Listeners:
@@ -57,15 +61,15 @@ class Listeners:
     def __init__(self, root: str) -> None:
         self.paths = paths(root)
         self.sockets: Dict[str, socket.socket] = {}
-        self.inodes: Dict[str, int] = {}
+        self.identities: Dict[str, str] = {}  # kind -> the identity of the file it was bound as
         self.adopted: List[str] = []  # the kinds handed to us, not bound here
 
     def adopt(self, handed: Mapping[str, int]) -> List[str]:
-        """Take the listening sockets handed to us (`name.<inode>` -> fd) whose file is still
+        """Take the listening sockets handed to us (`name.<identity>` -> fd) whose file is still
         the one bound; the others are closed. Returns what was not taken, and why."""
         refused = []
         for name, fd in handed.items():
-            kind, _, ino = name.rpartition(".")
+            kind, _, ident = name.rpartition(".")
             try:
                 s = socket.socket(fileno=fd)
             except OSError as e:  # not a socket at all (the store keeps any descriptor)
@@ -77,20 +81,18 @@ class Listeners:
                 continue
             path = self.paths.get(kind)
             why = ""
-            if path is None or not ino.isdigit():
+            if path is None or not re.fullmatch(r"\d+-\d+", ident):
                 why = f"{name}: not one of ours"
             elif s.family != socket.AF_UNIX or not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 why = f"{name}: not a listening unix socket"
-            elif _inode(path) != int(ino):
+            elif identity(path) != ident:  # (and so one name a kind: the file has one identity)
                 why = f"{name}: {path} is no longer the socket it was bound to (removed or replaced)"
-            elif kind in self.sockets:
-                why = f"{name}: handed twice"
             if why:
                 s.close()
                 refused.append(why)
                 continue
             s.setblocking(False)
-            self.sockets[kind], self.inodes[kind] = s, int(ino)
+            self.sockets[kind], self.identities[kind] = s, ident
             self.adopted.append(kind)
         return refused
 
@@ -116,19 +118,19 @@ class Listeners:
                 s.close()
                 raise
             s.setblocking(False)
-            self.sockets[kind], self.inodes[kind] = s, os.lstat(path).st_ino
+            self.sockets[kind], self.identities[kind] = s, identity(path) or ""
             bound.append(kind)
         return bound
 
     def names(self) -> Dict[str, int]:
-        """`name.<inode>` -> fd: how they are stored with systemd and handed to a successor."""
-        return {f"{kind}.{self.inodes[kind]}": s.fileno() for kind, s in self.sockets.items()}
+        """`name.<identity>` -> fd: how they are stored with systemd and handed to a successor."""
+        return {f"{kind}.{self.identities[kind]}": s.fileno() for kind, s in self.sockets.items()}
 
     def missing(self) -> Optional[str]:
         """A socket file of ours that is gone or was replaced (kubelet forgets us when the
         registration socket goes), or None."""
-        for kind, ino in self.inodes.items():
-            if _inode(self.paths[kind]) != ino:
+        for kind, ident in self.identities.items():
+            if identity(self.paths[kind]) != ident:
                 return self.paths[kind]
         return None
 
@@ -136,7 +138,7 @@ class Listeners:
         """The files go where they are still ours (the registration first: kubelet forgets the
         driver before its service goes); the sockets stay open until `close`."""
         for kind in (REGISTRATION, SERVICE):
-            if kind in self.inodes and _inode(self.paths[kind]) == self.inodes[kind]:
+            if kind in self.identities and identity(self.paths[kind]) == self.identities[kind]:
                 try:
                     os.unlink(self.paths[kind])
                 except OSError:
@@ -149,13 +151,13 @@ class Listeners:
             s = self.sockets.pop(kind, None)
             if s is None:
                 continue
-            if remove and _inode(self.paths[kind]) == self.inodes.get(kind):
+            if remove and identity(self.paths[kind]) == self.identities.get(kind):
                 try:
                     os.unlink(self.paths[kind])
                 except OSError:
                     pass
             s.close()
-        self.inodes.clear()
+        self.identities.clear()
 
 
 def handed_to_us(environ: MutableMapping[str, str]) -> Tuple[Dict[str, int], str]:

@@ -224,7 +224,7 @@ def test_a_restart_with_systemd_s_store_keeps_the_driver_registered_and_a_call_m
         d.wait_ready()
         old = node.wait_registered()
         published(api)
-        inodes = {k: os.lstat(p).st_ino for k, p in listeners.paths(str(tmp_path / "kubelet")).items()}
+        inodes = {k: listeners.identity(p) for k, p in listeners.paths(str(tmp_path / "kubelet")).items()}
         assert store.names() == sorted(f"{k}.{i}" for k, i in inodes.items())
         api.add_claim("ns", "c", "uid-c", [{"request": "kvm", "driver": "ate.dev", "pool": NODE, "device": "kvm"}])
         api.add_claim("ns", "late", "uid-l", [{"request": "kvm", "driver": "ate.dev", "pool": NODE, "device": "kvm"}])
@@ -241,7 +241,7 @@ def test_a_restart_with_systemd_s_store_keeps_the_driver_registered_and_a_call_m
         assert answers["uid-l"].error == "" and list(answers["uid-l"].devices[0].cdi_device_ids) == [KVM_ID]
         assert node.prepare([("ns", "c", "uid-c")])["uid-c"].error == ""
         assert node.instances == [old] and node.model.refused == [], "kubelet saw the driver go"
-        assert {k: os.lstat(p).st_ino for k, p in listeners.paths(str(tmp_path / "kubelet")).items()} == inodes
+        assert {k: listeners.identity(p) for k, p in listeners.paths(str(tmp_path / "kubelet")).items()} == inodes
         assert "kept from the last run" in d.log()
     finally:
         d.close()
