@@ -63,6 +63,10 @@ class RegistrationSaid(Record):
     error: str = ""
 
 
+class KubeletDialed(Record):
+    """kubelet connected to the service socket: it has the driver registered (perhaps before this run)."""
+
+
 class Hangup(Record):
     """SIGHUP: the configuration file read again. `api`: its `[daemon] api` (None: it is bad, `error` says why)."""
 
@@ -92,7 +96,7 @@ class Drained(Record):
     """The sockets are no longer served: every call that came through them is answered."""
 
 
-DriverEvent = Union[CheckpointRead, Looked, RegistrationSaid, Hangup, Terminate, SuccessorFailed, Heard, Drained, TimerDue,
+DriverEvent = Union[CheckpointRead, Looked, RegistrationSaid, KubeletDialed, Hangup, Terminate, SuccessorFailed, Heard, Drained, TimerDue,
                     pub.PublisherEvent, prep.PreparerEvent]
 
 
@@ -188,6 +192,10 @@ class Driver:
             self._checkpoint_read(now, event)
         elif isinstance(event, RegistrationSaid):
             self._registration(event)
+        elif isinstance(event, KubeletDialed) and not self.registered:
+            self.registered = True  # (the sockets outlived the last run: kubelet registered the driver then)
+            self._out.append(Say(INFO, "dra-registered", "kubelet is connected to the driver, registered before this "
+                                                         "run: its sockets were kept"))
         elif isinstance(event, Hangup):
             self._hangup(event)
         elif isinstance(event, Terminate):

@@ -105,7 +105,7 @@ class DraNode:
         self.server = plugin.DraServer(plugin.inner_path(self.root, run), self.listeners.paths[listeners.SERVICE],
                                        self.calls, lambda ok, error: self.post(d.RegistrationSaid(ok, error)))
         self.server.start()
-        self.relay = Relay(self.listeners.sockets, self.server.path)
+        self.relay = Relay(self.listeners.sockets, self.server.path, self._accepted)
         self.relay.start()
         how = "bound anew" if bound else "kept from the last run"
         if self.listeners.adopted and self.parent is not None:
@@ -114,6 +114,11 @@ class DraNode:
             f"registration at {self.listeners.paths[listeners.REGISTRATION]} ({how})")
         if bound and self.parent is None:
             self._store()
+
+    def _accepted(self, kind: str) -> None:
+        """From the relay's thread: a connection accepted; kubelet dials the service only once registered."""
+        if kind == listeners.SERVICE:
+            self.post(d.KubeletDialed())
 
     def _store(self) -> None:
         """Our listening sockets with systemd, for the next start (what it keeps under the same
@@ -130,7 +135,7 @@ class DraNode:
         self.listeners.close(remove=True)
         self.notifier.drop_fds(old)
         self.listeners.bind()
-        self.relay = Relay(self.listeners.sockets, self.server.path)
+        self.relay = Relay(self.listeners.sockets, self.server.path, self._accepted)
         self.relay.start()
         if self.parent is None:
             self._store()

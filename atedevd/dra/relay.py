@@ -22,7 +22,7 @@ import selectors
 import socket
 import struct
 import threading
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 CHUNK = 1 << 16
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -96,8 +96,11 @@ class _Conn:
 
 
 class Relay:
-    def __init__(self, listeners: Dict[str, socket.socket], inner_path: str) -> None:
+    def __init__(self, listeners: Dict[str, socket.socket], inner_path: str,
+                 accepted: Optional[Callable[[str], None]] = None) -> None:
+        """`accepted(kind)`: told of each connection accepted, by the kind of socket it came to."""
         self.listeners = dict(listeners)  # (its own: the caller's may change while the thread reads this)
+        self._accepted = accepted
         self.inner_path = inner_path
         self.drained = threading.Event()
         self.connections = 0  # accepted since the start
@@ -199,6 +202,8 @@ class Relay:
             outer.close()  # (our server is gone: kubelet dials again)
             return
         self.connections += 1
+        if self._accepted is not None:
+            self._accepted(next(k for k, s in self.listeners.items() if s is listener))
         c = _Conn(outer, inner)
         for s in (outer, inner):
             s.setblocking(False)

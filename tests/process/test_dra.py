@@ -243,6 +243,7 @@ def test_a_restart_with_systemd_s_store_keeps_the_driver_registered_and_a_call_m
         assert node.instances == [old] and node.model.refused == [], "kubelet saw the driver go"
         assert {k: listeners.identity(p) for k, p in listeners.paths(str(tmp_path / "kubelet")).items()} == inodes
         assert "kept from the last run" in d.log()
+        assert wait_until(lambda: "registered with kubelet" in (d.status() or ""), 10), d.status()  # (no new NotifyRegistrationStatus)
     finally:
         d.close()
         store.close()
