@@ -81,9 +81,11 @@ def _read(path: str, required: bool, report: _Report) -> Optional[str]:
     half a TOML document is often a valid one with fewer devices (an empty one is the built-in
     /dev/kvm). So a read counts only when the file is the same before and after it (inode,
     size, times) and was last changed `SETTLE_S` ago or more, or reads the same again after
-    that long; a file that keeps changing for `SETTLE_LIMIT_S` is not applied."""
+    that long (an empty file: was seen empty by this reader that long); a file that keeps
+    changing for `SETTLE_LIMIT_S` is not applied."""
     deadline = time.monotonic() + SETTLE_LIMIT_S
     last: Optional[Tuple[tuple, bytes]] = None
+    empty_since: Optional[Tuple[tuple, float]] = None  # an empty file, and when this reader first saw it so
     while True:
         got = _read_once(path, required, report)
         if got is None:
@@ -91,7 +93,16 @@ def _read(path: str, required: bool, report: _Report) -> Optional[str]:
         st, raw, stable = got
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         age = time.time() - max(st.st_mtime, st.st_ctime)
-        if stable and (age >= SETTLE_S or last == (key, raw)):
+        if stable and not raw:
+            # Empty (the built-in /dev/kvm): only what this reader saw itself counts, for a truncation
+            # need not renew the file's times (seen on Linux 6.18, ext4: a file emptied by O_TRUNC
+            # a moment ago showed the times of its last write, 200 ms before).
+            if empty_since is not None and empty_since[0] == key and time.monotonic() - empty_since[1] >= SETTLE_S:
+                break
+            if empty_since is None or empty_since[0] != key:
+                empty_since = (key, time.monotonic())
+            age = 0.0
+        elif stable and (age >= SETTLE_S or last == (key, raw)):
             break
         if time.monotonic() >= deadline:
             report.add(f"the file kept changing while it was read (rewritten in place?), for {SETTLE_LIMIT_S:g} s: "

@@ -48,6 +48,40 @@ KVM = dict(resource='"ate.dev/kvm"', path='"/dev/kvm"')
 
 # --- defaults, files, overrides ---------------------------------------------
 
+def test_an_empty_read_counts_only_once_this_reader_saw_it_empty_for_settle_s(tmp_path, monkeypatch):
+    """A file emptied by O_TRUNC can keep the times of its last write (Linux 6.18, ext4: emptied a
+    moment ago, its times said 200 ms; a reload took that for the built-in /dev/kvm): an empty read
+    is taken only after this reader has seen the file empty for SETTLE_S, so one filled meanwhile
+    is read whole, and one that stays empty still means the defaults."""
+    import time as clock
+
+    class Later:  # the files' times all say "long ago" (ctime cannot be set back: the clock is set on)
+        monotonic, sleep = staticmethod(clock.monotonic), staticmethod(clock.sleep)
+
+        @staticmethod
+        def time():
+            return clock.time() + 10
+    monkeypatch.setattr(loader, "SETTLE_S", 0.05)
+    monkeypatch.setattr(loader, "time", Later)
+    path = write(tmp_path, "")
+    real, reads = loader._read_once, []
+
+    def read_once(*args):
+        got = real(*args)
+        reads.append(got[1] if got else None)
+        if len(reads) == 1:  # the writer fills the file just after the first read
+            write(tmp_path, device(resource='"ate.dev/a"', path='"/dev/null"'))
+        return got
+    monkeypatch.setattr(loader, "_read_once", read_once)
+    cfg = loader.load(path)
+    assert reads[0] == b"" and [d.resource for d in cfg.devices] == ["ate.dev/a"]
+    monkeypatch.setattr(loader, "_read_once", real)
+    write(tmp_path, "")
+    began = clock.monotonic()
+    assert loader.load(path).devices == Config().devices  # (still the defaults: empty is a valid file)
+    assert clock.monotonic() - began >= 0.05
+
+
 def test_missing_default_file_means_builtin_defaults(tmp_path):
     cfg = loader.load(str(tmp_path / "absent.toml"))
     assert cfg == Config()
