@@ -65,31 +65,31 @@ class Notifier:
         usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         self.send(f"RELOADING=1\nMONOTONIC_USEC={usec}")
 
-    def store_fds(self, fds: Dict[str, int]) -> bool:
+    def store_fds(self, fds: Dict[str, int]) -> None:
         """Hand systemd these descriptors to keep for our next start (`FDSTORE=1`, each under its
         name; the unit's FileDescriptorStoreMax= must allow them, else systemd drops them).
-        Sent with SCM_RIGHTS, which sdnotify does not speak. False: no systemd to keep them."""
-        return all(self._send_fds(f"FDSTORE=1\nFDNAME={name}", [fd]) for name, fd in fds.items()) and bool(fds)
+        Sent with SCM_RIGHTS, which sdnotify does not speak; without systemd, nothing happens."""
+        for name, fd in fds.items():
+            self._send_fds(f"FDSTORE=1\nFDNAME={name}", [fd])
 
     def drop_fds(self, names) -> None:
         """Let systemd close what it keeps under these names (`FDSTOREREMOVE=1`)."""
         for name in names:
             self._send_fds(f"FDSTOREREMOVE=1\nFDNAME={name}", [])
 
-    def _send_fds(self, message: str, fds) -> bool:
+    def _send_fds(self, message: str, fds) -> None:
         path = os.environ.get("NOTIFY_SOCKET", "")
         if not path or self._quiet:
-            return False
+            return
         address = "\0" + path[1:] if path.startswith("@") else path
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         try:
             ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
             s.sendmsg([message.encode()], ancillary, 0, address)
         except OSError:
-            return False
+            pass  # (systemd gone: nothing to keep them)
         finally:
             s.close()
-        return True
 
     def stopping(self) -> None:
         self.send("STOPPING=1\nSTATUS=stopping")
