@@ -162,6 +162,7 @@ class Driver:
         self._unserve_since: Optional[float] = None
         self._health: Optional[Health] = None
         self._status: Optional[str] = None
+        self._now = 0.0  # the time of the event being handled
         self._out: List[DriverAction] = []
 
     # --- the one entry ---------------------------------------------------------------------------
@@ -421,10 +422,7 @@ class Driver:
         return (f"DRA: {kubelet}; {len(self.devices)} device(s) judged present; {slices_text}; "
                 f"{len(self.book.claims)} claim(s) prepared")
 
-    _now = 0.0
-
     def _take(self, now: float) -> List[DriverAction]:
-        self._now = now
         status = self.status()
         if status != self._status and self.role is not SUCCESSOR:
             self._status = status

@@ -188,10 +188,10 @@ class DraNode:
             if events or time.monotonic() >= next_look:
                 next_look = time.monotonic() + LOOK_EVERY_S
                 self._looked()
+                gone = self.listeners.missing() if not self.driver.unserving else None  # (their directories' events)
+                if gone:
+                    self._serve_again(gone)
             self.look.wake(time.monotonic())
-            gone = self.listeners.missing() if not self.driver.unserving else None
-            if gone:
-                self._serve_again(gone)
         self._finish()
         return self.driver.exit_code
 

@@ -8,6 +8,7 @@ from atedevd.glue import performer, process, resource, resource_events
 from atedevd.record import Record
 from atedevd.registration import machine, messages
 from atedevd.upgrade import machines
+from tests.simulation import dra as dra_world
 from tests.simulation import world
 
 
@@ -35,6 +36,13 @@ def test_the_glue_has_a_part_for_every_upgrade_action():
 def test_the_daemon_and_the_simulation_carry_out_every_action_of_the_process():
     assert set(daemon._DO) == set(process.ACTIONS)
     assert set(world._DO) == set(process.ACTIONS)
+
+
+def test_dra_mode_s_loop_and_its_simulation_carry_out_every_action_of_the_driver():
+    from atedevd.dra import driver, node
+
+    assert set(node._DO) == set(driver.ACTIONS)
+    assert set(dra_world._DO) == set(driver.ACTIONS)
 
 
 def test_what_the_glue_passes_on_of_the_upgrade_is_an_action_of_the_process():
