@@ -160,7 +160,8 @@ class Daemon:
         else:
             event(INFO, "stopping", "stopping: removing our sockets")
         self.plugins.close(time.monotonic())  # (the CDI specs stay: kubelet's checkpointed answers name them)
-        sockets.remove_standby_dir(self.cfg.device_plugin_dir)  # nothing of ours left in kubelet's directory
+        if not self._replaced:  # (after an upgrade it is the successor's: it binds its next socket there)
+            sockets.remove_standby_dir(self.cfg.device_plugin_dir)  # nothing of ours left in kubelet's directory
         self._write_metrics(force=True)  # the last word: every resource stopped, not registered (not after an upgrade: the successor writes them)
         self._workers.shutdown(wait=False)
         self._watcher.close()
